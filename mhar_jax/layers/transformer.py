@@ -1,0 +1,290 @@
+"""A Qwen3-style decoder whose residual scheme is a config value.
+
+Schemes (``TransformerConfig.residual``):
+
+* ``prenorm``  — ``x_{j+1} = x_j + f_j(x_j)``, the baseline;
+* ``hyper``    — static Hyper-Connections with ``hyper_streams`` streams;
+* ``attnres``  — each sublayer reads a softmax mixture of all earlier
+  sources (AttnRes = MHAR with one head);
+* ``mhar``     — the same with ``routing_heads`` heads;
+* ``delta``    — the ordinary stream plus a gated, routed correction over block
+  deltas (identity at initialisation; for converting trained models).
+
+Every sublayer ``f_j`` (attention or SwiGLU) applies its own RMSNorm to its
+input. For routed schemes the sources are ``s_0 = embedding`` and the raw
+sublayer outputs ``s_{j+1}``; with ``num_blocks`` set, the outputs of each block
+of consecutive sublayers are summed (Block AttnRes / Block MHAR) and a site
+reads ``[s_0, finished block sums..., the current block's partial sum]``. One
+sublayer per block (the default, ``num_blocks=0``) is the full method. A final
+routing site precedes the final norm; the LM head is the tied embedding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mhar_jax import kernels
+from mhar_jax.layers.basic import Attention, RMSNorm, SwiGLU, normal, param
+from mhar_jax.layers.router import DepthRouter, HyperConnection, block_boundaries
+from mhar_jax.layers.sharding import BTD, constrain
+
+RESIDUALS = ("prenorm", "hyper", "attnres", "mhar", "delta")
+ROUTED = ("attnres", "mhar", "delta")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
+          "float16": jnp.float16}
+ATTENTION_IMPLS = (None, "xla", "cudnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Architecture of :class:`Transformer`. Invalid values raise ValueError
+  naming the key (as ``model.<key>``) and the value."""
+
+  vocab_size: int = 151_936
+  d_model: int = 512
+  num_layers: int = 12
+  num_heads: int = 8
+  num_kv_heads: int = 4
+  head_dim: int = 64
+  ffn_dim: int = 1536
+  max_seq_len: int = 2048
+  residual: str = "prenorm"
+  routing_heads: int = 8     # mhar / delta; attnres always uses 1
+  num_blocks: int = 0        # 0: one block per sublayer (the full method)
+  hyper_streams: int = 4
+  rope_theta: float = 1e4
+  norm_eps: float = 1e-6
+  init_std: float = 0.02
+  dtype: str = "bfloat16"
+  param_dtype: str = "float32"
+  attention_impl: str | None = None
+  routing_impl: str = "auto"
+  remat: bool = False
+
+  def __post_init__(self):
+    def bad(key, why):
+      raise ValueError(f"model.{key}={getattr(self, key)!r}: {why}")
+
+    for key in ("vocab_size", "d_model", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "ffn_dim", "max_seq_len",
+                "hyper_streams"):
+      if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+        bad(key, "must be a positive integer.")
+    if self.residual not in RESIDUALS:
+      bad("residual", f"unknown residual scheme; choose one of {RESIDUALS}.")
+    if self.num_heads % self.num_kv_heads:
+      bad("num_kv_heads", f"must divide model.num_heads={self.num_heads}.")
+    if self.head_dim % 2:
+      bad("head_dim", "must be even (RoPE rotates channel pairs).")
+    if self.residual in ("mhar", "delta") and (
+        self.routing_heads < 1 or self.d_model % self.routing_heads):
+      bad("routing_heads",
+          f"must be >= 1 and divide model.d_model={self.d_model}.")
+    if self.num_blocks and not 1 <= self.num_blocks <= 2 * self.num_layers:
+      bad("num_blocks", "must be 0 (full method) or between 1 and the number"
+          f" of sublayers, 2 * model.num_layers = {2 * self.num_layers}.")
+    if self.num_blocks < 0:
+      bad("num_blocks", "must be >= 0.")
+    for key in ("dtype", "param_dtype"):
+      if getattr(self, key) not in DTYPES:
+        bad(key, f"choose one of {tuple(DTYPES)}.")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      bad("attention_impl", f"choose one of {ATTENTION_IMPLS}.")
+    if self.routing_impl not in kernels.IMPLS:
+      bad("routing_impl", f"choose one of {kernels.IMPLS}.")
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "TransformerConfig":
+    """Builds a config from a dict; an unknown key raises ValueError."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    for key in d:
+      if key not in fields:
+        raise ValueError(f"model.{key}: unknown key; the model config keys are"
+                         f" {sorted(fields)}.")
+    return cls(**d)
+
+  @property
+  def heads_per_site(self) -> int:
+    """Routing heads H used at every site (1 for AttnRes)."""
+    return 1 if self.residual == "attnres" else self.routing_heads
+
+  @property
+  def num_sublayers(self) -> int:
+    return 2 * self.num_layers
+
+  @property
+  def blocks(self) -> list[int]:
+    """Block index of each sublayer (``delta`` defaults to 8 blocks)."""
+    n = self.num_blocks or (min(8, self.num_sublayers)
+                            if self.residual == "delta" else self.num_sublayers)
+    return block_boundaries(self.num_sublayers, n)
+
+  @property
+  def compute_dtype(self):
+    return DTYPES[self.dtype]
+
+
+class AttentionSublayer(nnx.Module):
+  """``x -> Attention(RMSNorm(x))``, ``[B, T, D] -> [B, T, D]``."""
+
+  def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+    pd = DTYPES[cfg.param_dtype]
+    self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pd,
+                        rngs=rngs)
+    self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads,
+                          cfg.head_dim, rope_theta=cfg.rope_theta,
+                          eps=cfg.norm_eps, init_std=cfg.init_std,
+                          implementation=cfg.attention_impl,
+                          dtype=cfg.compute_dtype, param_dtype=pd, rngs=rngs)
+
+  def __call__(self, x, positions):
+    return self.attn(self.norm(x), positions)
+
+
+class MLPSublayer(nnx.Module):
+  """``x -> SwiGLU(RMSNorm(x))``, ``[B, T, D] -> [B, T, D]``."""
+
+  def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+    pd = DTYPES[cfg.param_dtype]
+    self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pd,
+                        rngs=rngs)
+    self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, init_std=cfg.init_std,
+                      dtype=cfg.compute_dtype, param_dtype=pd, rngs=rngs)
+
+  def __call__(self, x, positions):
+    del positions
+    return self.mlp(self.norm(x))
+
+
+class DecoderLayer(nnx.Module):
+  """One transformer block: an attention sublayer and an MLP sublayer."""
+
+  def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+    self.attention = AttentionSublayer(cfg, rngs)
+    self.mlp = MLPSublayer(cfg, rngs)
+
+
+def _call_sublayer(sublayer, x, positions):
+  return sublayer(x, positions)
+
+
+class Transformer(nnx.Module):
+  """Decoder-only LM: ``tokens [B, T] int -> logits [B, T, vocab] float32``."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd = DTYPES[cfg.param_dtype]
+    self.embedding = param(rngs, normal(cfg.init_std),
+                           (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
+                           pd)
+    self.layers = nnx.List([DecoderLayer(cfg, rngs)
+                            for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pd,
+                              rngs=rngs)
+    n_sites = cfg.num_sublayers + 1
+    if cfg.residual in ROUTED:
+      self.routers = nnx.List([
+          DepthRouter(cfg.d_model, cfg.heads_per_site, eps=cfg.norm_eps,
+                      impl=cfg.routing_impl, param_dtype=pd, rngs=rngs)
+          for _ in range(n_sites)])
+    if cfg.residual == "delta":
+      self.null_source = param(rngs, nnx.initializers.zeros, (cfg.d_model,),
+                               ("norm",), pd)
+      self.gates = nnx.List([
+          param(rngs, nnx.initializers.zeros, (cfg.d_model,), ("norm",), pd)
+          for _ in range(n_sites)])
+    if cfg.residual == "hyper":
+      self.hyper = nnx.List([
+          HyperConnection(cfg.hyper_streams, j, param_dtype=pd)
+          for j in range(cfg.num_sublayers)])
+
+  def sublayers(self) -> list[nnx.Module]:
+    """The 2L sublayers in order: attention, MLP, attention, MLP, ..."""
+    return [s for layer in self.layers for s in (layer.attention, layer.mlp)]
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *,
+               return_routing: bool = False):
+    """Logits ``[B, T, V]`` (float32); with ``return_routing`` also the list of
+    per-site routing weights ``[S_j, B, T, H]`` (routed schemes only)."""
+    cfg = self.cfg
+    b, t = tokens.shape
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    emb = self.embedding[...].astype(cfg.compute_dtype)
+    h = constrain(jnp.take(emb, tokens, axis=0), BTD)
+    call = (nnx.remat(_call_sublayer) if cfg.remat else _call_sublayer)
+    routing: list[jax.Array] = []
+    subs = self.sublayers()
+
+    if cfg.residual == "prenorm":
+      x = h
+      for f in subs:
+        x = x + call(f, x, positions)
+    elif cfg.residual == "hyper":
+      streams = jnp.broadcast_to(h[:, :, None, :],
+                                 (b, t, cfg.hyper_streams, cfg.d_model))
+      for f, hc in zip(subs, self.hyper):
+        streams = hc.write(streams, call(f, hc.read(streams), positions))
+      x = jnp.sum(streams, axis=2)
+    elif cfg.residual == "delta":
+      x = self._delta(h, subs, call, positions, routing, return_routing)
+    else:
+      x = self._routed(h, subs, call, positions, routing, return_routing)
+
+    x = self.final_norm(x)
+    logits = jnp.einsum("btd,vd->btv", x, emb,
+                        preferred_element_type=jnp.float32)
+    logits = constrain(logits, ("activation_batch", "activation_length",
+                                "activation_vocab"))
+    return (logits, routing) if return_routing else logits
+
+  def _routed(self, h, subs, call, positions, routing, record):
+    """AttnRes / MHAR, full or block: route before every sublayer and at the end."""
+    blocks = self.cfg.blocks
+    done = [h]          # s_0 and the finished block sums
+    partial = None      # sum of the current block's outputs so far
+    for j, f in enumerate(subs):
+      sources = done if partial is None else done + [partial]
+      if record:
+        routing.append(self.routers[j].weights(sources))
+      y = call(f, self.routers[j](sources), positions)
+      partial = y if partial is None else partial + y
+      if j + 1 == len(subs) or blocks[j + 1] != blocks[j]:
+        done.append(partial)
+        partial = None
+    if record:
+      routing.append(self.routers[-1].weights(done))
+    return self.routers[-1](done)
+
+  def _delta(self, h, subs, call, positions, routing, record):
+    """The delta form: the ordinary stream plus ``gate * route([null, deltas])``."""
+    blocks = self.cfg.blocks
+    null = jnp.broadcast_to(self.null_source[...].astype(h.dtype), h.shape)
+    deltas = [null]
+    x, block_start = h, h
+
+    def corrected(j, x):
+      if record:
+        routing.append(self.routers[j].weights(deltas))
+      gate = self.gates[j][...].astype(jnp.float32)
+      return (x.astype(jnp.float32)
+              + gate * self.routers[j](deltas).astype(jnp.float32)
+              ).astype(x.dtype)
+
+    for j, f in enumerate(subs):
+      x = x + call(f, corrected(j, x), positions)
+      if j + 1 == len(subs) or blocks[j + 1] != blocks[j]:
+        deltas.append(x - block_start)
+        block_start = x
+    return corrected(len(subs), x)
+
+
+def count_params(model: nnx.Module) -> int:
+  """Number of scalar parameters (``nnx.Param`` leaves) in ``model``."""
+  state = nnx.state(model, nnx.Param)
+  return sum(int(x.size) for x in jax.tree.leaves(state))
