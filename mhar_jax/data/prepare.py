@@ -174,6 +174,7 @@ def load_tokenizer(path: str):
     """Loads an HF ``tokenizers`` JSON tokenizer, with a clear error if missing."""
     from tokenizers import Tokenizer
 
+    path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"tokenizer file not found: {path}")
     try:
@@ -334,6 +335,7 @@ def prepare_split(
       num_tokens}], inputs, text_field``.
     """
     inputs = [os.fspath(p) for p in inputs]
+    tokenizer_path, output_dir = os.fspath(tokenizer_path), os.fspath(output_dir)
     if not inputs:
         raise ValueError("no input files given")
     for p in inputs:
