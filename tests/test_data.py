@@ -324,3 +324,22 @@ def test_tiny_dataset(tmp_path):
     assert tokenizer_vocab_size(os.path.join(d, "tokenizer.json")) == 2048
     total = sum(os.path.getsize(os.path.join(tiny.ASSETS_DIR, f)) for f in os.listdir(tiny.ASSETS_DIR))
     assert total < 2 * 2**20
+
+
+@pytest.mark.slow
+def test_loader_worker_processes(data_dir):
+    """grain mp_prefetch workers give the same batches, and their state restores."""
+    ref = _take(_it(data_dir), 8)
+    it = _it(data_dir, worker_count=2)
+    try:
+        got = _take(it, 5)
+        state = json.loads(json.dumps(it.get_state()))
+        got += _take(it, 3)
+        it.set_state(state)  # rewind the same iterator (new processes are slow to start)
+        got2 = _take(it, 3)
+    finally:
+        it.close()
+    for a, b in zip(ref, got):
+        np.testing.assert_array_equal(a["inputs"], b["inputs"])
+    for a, b in zip(ref[5:], got2):
+        np.testing.assert_array_equal(a["inputs"], b["inputs"])
