@@ -12,7 +12,7 @@ from mhar_jax.data import loader, prepare, tiny
 from mhar_jax.data import (
     TINY_TOKENIZER, TokenStream, bits_per_byte, bytes_per_token, check_data_dir,
     ensure_tiny_dataset, load_meta, make_eval_batches, make_train_iterator, num_eval_batches,
-    prepare_split, state_from_bytes, state_to_bytes, tokenizer_vocab_size,
+    prepare_split, state_from_bytes, state_to_bytes, tokenizer_eot_id, tokenizer_vocab_size,
 )
 
 DOCS = [
@@ -275,6 +275,8 @@ def test_eval_batches(data_dir):
                                                       halves[1][j]["inputs"]]), b["inputs"])
     with pytest.raises(ValueError, match="too few"):
         make_eval_batches(data_dir, "train", seq_len=16, batch=128)
+    with pytest.raises(ValueError, match=r"data\.val_splits='nope'"):
+        make_eval_batches(data_dir, "nope", seq_len=16, batch=8)
 
 
 def test_bytes_per_token_and_bpb(data_dir):
@@ -312,7 +314,9 @@ def test_check_data_dir_errors(tmp_path):
 
 def test_tiny_dataset(tmp_path):
     d = ensure_tiny_dataset(str(tmp_path))
-    assert ensure_tiny_dataset(str(tmp_path)) == d
+    assert ensure_tiny_dataset(str(tmp_path)) == d == tiny.resolve_data_dir("", str(tmp_path))
+    assert tiny.resolve_data_dir("/some/dir") == "/some/dir"
+    assert tokenizer_eot_id(TINY_TOKENIZER) == 0
     for split in ("train", "val"):
         m = check_data_dir(d, split)
         assert m["vocab_size"] == 2048 and m["eot_id"] == 0 and m["num_tokens"] > 10_000

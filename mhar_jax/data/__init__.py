@@ -11,10 +11,10 @@ import importlib
 _EXPORTS = {
     "loader": ("TokenStream", "available_splits", "bits_per_byte", "bytes_per_token",
                "check_data_dir", "load_meta", "make_eval_batches", "make_train_dataset",
-               "make_train_iterator", "num_eval_batches", "state_from_bytes", "state_to_bytes",
-               "tokenizer_vocab_size"),
+               "make_train_iterator", "num_eval_batches", "state_from_bytes", "state_to_bytes"),
     "prepare": ("EOT_TOKEN", "prepare_split"),
-    "tiny": ("TINY_TOKENIZER", "default_cache_dir", "ensure_tiny_dataset"),
+    "tiny": ("TINY_TOKENIZER", "default_cache_dir", "ensure_tiny_dataset", "resolve_data_dir"),
+    "tokenizer_info": ("tokenizer_eot_id", "tokenizer_vocab_size"),
 }
 _WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

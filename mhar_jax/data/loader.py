@@ -28,9 +28,11 @@ from typing import Any, Iterator
 import grain
 import numpy as np
 
-from mhar_jax.data.prepare import META_FILE, load_tokenizer
+from mhar_jax.data.prepare import META_FILE
+from mhar_jax.data.tokenizer_info import tokenizer_vocab_size  # noqa: F401 (re-export)
 
 Batch = dict[str, np.ndarray]
+EVAL_SPLIT_KEY = "data.val_splits"  # config key named in errors about eval splits
 
 
 # ----------------------------------------------------------------------------
@@ -95,11 +97,6 @@ def check_data_dir(data_dir: str, split: str, *, dir_key: str = "data.data_dir",
     return meta
 
 
-def tokenizer_vocab_size(path: str) -> int:
-    """Vocabulary size (added tokens included) of an HF tokenizers JSON file."""
-    return load_tokenizer(path).get_vocab_size(with_added_tokens=True)
-
-
 def bytes_per_token(data_dir: str, split: str) -> float:
     """UTF-8 text bytes per token of a split, ``num_bytes / num_tokens`` (eot ids
     count as tokens; separators are not text bytes)."""
@@ -123,9 +120,9 @@ class TokenStream:
     used from grain worker processes.
     """
 
-    def __init__(self, data_dir: str, split: str):
+    def __init__(self, data_dir: str, split: str, *, split_key: str = "data.train_split"):
         self.data_dir, self.split = data_dir, split
-        self.meta = check_data_dir(data_dir, split)
+        self.meta = check_data_dir(data_dir, split, split_key=split_key)
         self.dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
         self.files = [os.path.join(data_dir, split, s["file"]) for s in self.meta["shards"]]
         sizes = [int(s["num_tokens"]) for s in self.meta["shards"]]
@@ -282,7 +279,7 @@ def make_train_iterator(data_dir: str, split: str, *, seq_len: int, global_batch
 def num_eval_batches(data_dir: str, split: str, *, seq_len: int, batch: int,
                      max_batches: int | None = None) -> int:
     """Number of batches ``make_eval_batches`` yields: ``min(W // batch, max_batches)``."""
-    n = TokenStream(data_dir, split).num_windows(seq_len) // batch
+    n = TokenStream(data_dir, split, split_key=EVAL_SPLIT_KEY).num_windows(seq_len) // batch
     return n if max_batches is None else min(n, max_batches)
 
 
@@ -300,8 +297,9 @@ def make_eval_batches(data_dir: str, split: str, *, seq_len: int, batch: int,
     Every call starts a new pass; validation is done eagerly, reading is lazy.
     """
     local = _check_sharding(batch, process_index, process_count)
-    stream = TokenStream(data_dir, split)
-    n = num_eval_batches(data_dir, split, seq_len=seq_len, batch=batch, max_batches=max_batches)
+    stream = TokenStream(data_dir, split, split_key=EVAL_SPLIT_KEY)
+    n = stream.num_windows(seq_len) // batch
+    n = n if max_batches is None else min(n, max_batches)
     if n < 1:
         raise ValueError(f"split {split!r} in {data_dir!r} has {stream.num_tokens} tokens, "
                          f"too few for one eval batch of {batch} x {seq_len + 1}")

@@ -65,3 +65,8 @@ def ensure_tiny_dataset(cache_dir: str | None = None) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def resolve_data_dir(data_dir: str, cache_dir: str | None = None) -> str:
+    """``data_dir``, or the tiny dataset (``ensure_tiny_dataset``) when it is ``""``."""
+    return data_dir if data_dir else ensure_tiny_dataset(cache_dir)
