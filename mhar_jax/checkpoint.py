@@ -57,7 +57,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import threading
@@ -88,7 +87,6 @@ __all__ = [
 
 STATE, DATA, META = "state", "data", "meta"
 _META_FILE = "meta.json"
-_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax/_src/path/atomicity_types.TMP_DIR_SUFFIX
 _BYTES_KEY = "__bytes_b64__"
 
 
@@ -425,11 +423,13 @@ class Checkpointer:
             ) from e
 
     def _after_failure(self, step: int | None) -> None:
-        # Remove our partial tmp dir and resync Orbax's step list from disk
-        # (it dropped old steps from its in-memory list before deleting them).
-        if step is not None and self._pid == 0 and _is_local(self.directory):
-            for p in self.directory.glob(f"{step}{_TMP_SUFFIX}*"):
-                shutil.rmtree(os.fspath(p), ignore_errors=True)
+        # Resync Orbax's step list from disk: it dropped the failed step and
+        # the old steps it meant to delete from its in-memory list, but (as the
+        # save failed) deleted nothing.  The failed step's
+        # ``<step>.orbax-checkpoint-tmp`` directory is not touched here (Orbax
+        # threads may still hold it); Orbax removes it when that step is
+        # saved again or the next Checkpointer opens the directory.
+        del step
         try:
             self._mngr.reload()
         except Exception:  # pragma: no cover - best effort
