@@ -1,0 +1,898 @@
+"""Triton kernels for multi-head depth routing (GPU only).
+
+Computes exactly :func:`mhar_jax.kernels.reference.route` (forward and the
+hand-written backward ``reference._route_bwd``) with Triton kernels called
+through ``jax_triton.triton_call``. This module imports ``jax_triton`` at the
+top; :mod:`mhar_jax.kernels` imports it lazily, only on a CUDA backend.
+
+Notation: S sources ``s_i`` of N tokens (all leading dims flattened) by D
+channels, H heads of ``C = D/H`` contiguous channels, ``t = query * norm_scale``
+(float32, ``[D]``, viewed as ``[H, C]``)::
+
+    r_i[n]      = rsqrt(mean_c s_i[n, c]^2 + eps)
+    u_i[n, h]   = sum_{c in h} s_i[n, c] t[c]
+    logit_i     = r_i * u_i                                        [N, H]
+    lse[n, h]   = logsumexp_i logit_i[n, h]
+    w_i         = exp(logit_i - lse)
+    out[n, c]   = sum_i w_i[n, head(c)] s_i[n, c]
+
+Design
+------
+*No stacking.* The sources stay separate arrays (a model passes a growing
+Python list). A Triton kernel has a fixed number of pointer arguments, so every
+kernel here takes ``MAX_SOURCES_PER_LAUNCH`` source pointers and a constexpr
+``NSRC`` (how many are live in this launch; the code for the others is pruned
+at compile time, and their slots get a dummy pointer). Sources are processed in
+chunks of at most ``CHUNK`` per launch.
+
+*Tiles.* A program owns ``BN`` whole tokens and views each row as a padded
+``[HP, CP]`` tile (``HP``/``CP`` = next powers of two of H and C, masked), so a
+head's channels lie along the last axis and per-head sums are one reduction.
+Masked lanes never touch memory, so padding costs registers, not bytes.
+
+*Forward* (``_fwd_kernel``): one pass over the sources per token tile with an
+online softmax per head: ``r``, ``u``, the logit, a running max ``m``, running
+sum ``l`` and an fp32 accumulator ``acc``. With more than ``CHUNK`` sources,
+``(m, l, acc)`` are carried between the launches in fp32 buffers (aliased in
+place); the last launch writes ``out = acc / l`` in the sources' dtype and
+``lse = m + log l`` (``[N, H]`` fp32). The only residual besides the inputs is
+``lse``: the backward recomputes ``r``, ``u`` and the weights from the sources
+it has to read anyway.
+
+*Backward.* With ``g = d out`` (viewed ``[N, H, C]``), ``dw_i = <g, s_i>`` per
+head and ``c = sum_i w_i dw_i`` ([N, H])::
+
+    dlogit_i = w_i (dw_i - c);  du_i = dlogit_i r_i;  dr_i = sum_h dlogit_i u_i
+    ds_i     = w_i g + du_i t - (dr_i r_i^3 / D) s_i
+    dt       = sum_{n, i} du_i[n, h] s_i[n, c];   dquery = dt g_scale,  dscale = dt q
+
+``c`` needs every source's ``dw`` before any ``ds_i`` can be written, so the
+exact backward makes two passes: ``_cpass_kernel`` (reads g and every source,
+writes ``c``; carried across chunks) and ``_bwd_kernel`` (reads g and every
+source, writes every ``ds_i`` and per-program partial sums of ``dt``, which are
+added in jnp: deterministic). ``exact_bwd=False`` instead takes
+``c = <g, out>`` from the saved output (``sum_i w_i <g, s_i> = <g, out>``):
+one pass fewer (4S instead of 6S bytes per element in bf16), exact in float32
+inputs but with bf16 rounding of ``out`` in ``c`` for bf16 sources (measured
+~4e-3 relative error in dquery, against ~1e-6 for the exact path).
+
+*Sharding.* ``triton_call`` has no partitioning rule, so under a mesh with
+more than one device the calls run inside ``jax.shard_map``: tokens (the first
+leading dim) split over the batch axes (those the flax logical-axis rules map
+``activation_batch`` to, else the mesh axis ``data``; under an Explicit mesh,
+the axes that shard the first dim of the first source), D replicated. The
+weight gradient ``dt`` is psummed over the batch axes. A D sharded over a
+``model`` axis is gathered by ``shard_map``'s in_specs (correct, not
+bandwidth-optimal; the kernel-level alternative, a psum of the sum of squares
+between a logit pass and a mix pass, is not implemented). Mesh axes that do not
+shard the batch compute redundantly. A first dim that does not divide by the
+batch axes' size is processed replicated.
+
+Bytes moved per element of one source (b = bytes of the dtype, K = CHUNK,
+L = ceil(S/K) launches): forward ``S b + b + 8 (L - 1)``; exact backward
+``2 S b`` (two reads) ``+ S b`` (writes) ``+ 2 b`` (g read twice).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import jax_triton as jt
+import triton
+import triton.language as tl
+
+from mhar_jax.kernels import reference
+
+MAX_SOURCES_PER_LAUNCH = 32
+# Sources per launch (<= MAX_SOURCES_PER_LAUNCH). Larger means fewer fp32
+# carries of the forward accumulator (8 bytes per element per extra launch) but
+# longer kernels to compile.
+CHUNK = 16
+
+# Tuning knobs: tokens per program are chosen so that each thread holds about
+# this many fp32 elements of one [BN, HP, CP] tile; None picks the defaults.
+TUNING: dict = {
+    "fwd_elems_per_thread": 32, "fwd_warps": 8,
+    "cpass_elems_per_thread": 32, "cpass_warps": 8,
+    "bwd_elems_per_thread": 16, "bwd_warps": 8, "bwd_programs_per_sm": 4,
+}
+
+# Debug: fill every output buffer with NaN before the kernel writes it (the
+# buffer is passed in and aliased to the output), so an element a kernel fails
+# to write shows up. Read at trace time; tests set it through `poison_outputs`.
+POISON = bool(int(os.environ.get("MHAR_TRITON_POISON", "0")))
+
+
+# -----------------------------------------------------------------------------
+# Triton kernels
+# -----------------------------------------------------------------------------
+
+
+@triton.jit
+def _cols(H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
+          CP: tl.constexpr):
+  """Column offsets ``h*C + c`` of a padded ``[HP, CP]`` row view, and mask."""
+  h = tl.arange(0, HP)
+  c = tl.arange(0, CP)
+  col = h[:, None] * C + c[None, :]
+  cmask = (h[:, None] < H) & (c[None, :] < C)
+  return col, cmask
+
+
+@triton.jit
+def _rows(tile, N, col, cmask, D: tl.constexpr, H: tl.constexpr,
+          HP: tl.constexpr, BN: tl.constexpr):
+  """Offsets/masks of token tile ``tile``: ``[BN, HP, CP]`` and ``[BN, HP]``."""
+  n = tile * BN + tl.arange(0, BN)
+  nmask = n < N
+  n64 = n.to(tl.int64)
+  off = n64[:, None, None] * D + col[None, :, :]
+  mask = nmask[:, None, None] & cmask[None, :, :]
+  h = tl.arange(0, HP)
+  hoff = n64[:, None] * H + h[None, :]
+  hmask = nmask[:, None] & (h[None, :] < H)
+  return off, mask, hoff, hmask
+
+
+@triton.jit
+def _load_logits(src, off, mask, t, D: tl.constexpr, EPS: tl.constexpr):
+  """Loads one source tile (fp32) and returns ``(x, r [BN], u, logit [BN, HP])``."""
+  x = tl.load(src + off, mask=mask, other=0.0).to(tl.float32)
+  ss = tl.sum(tl.sum(x * x, axis=2), axis=1)
+  r = tl.rsqrt(ss / D + EPS)
+  u = tl.sum(x * t[None, :, :], axis=2)
+  return x, r, u, r[:, None] * u
+
+
+@triton.jit
+def _fwd_step(src, off, mask, t, m, l, acc, D: tl.constexpr,
+              EPS: tl.constexpr):
+  """One source of the online softmax: updates ``(m, l, acc)``."""
+  x, r, u, logit = _load_logits(src, off, mask, t, D, EPS)
+  m_new = tl.maximum(m, logit)
+  alpha = tl.exp(m - m_new)
+  p = tl.exp(logit - m_new)
+  l = l * alpha + p
+  acc = acc * alpha[:, :, None] + p[:, :, None] * x
+  return m_new, l, acc
+
+
+@triton.jit
+def _fwd_kernel(
+    # <gen:FWD_SRC_PARAMS>
+    s0, s1, s2, s3, s4, s5, s6, s7,
+    s8, s9, s10, s11, s12, s13, s14, s15,
+    s16, s17, s18, s19, s20, s21, s22, s23,
+    s24, s25, s26, s27, s28, s29, s30, s31,
+    # </gen:FWD_SRC_PARAMS>
+    t_ptr, m_in, l_in, acc_in,
+    i_out, i_lse, i_m, i_l, i_acc,
+    N,
+    out_ptr, lse_ptr, m_out, l_out, acc_out,
+    NSRC: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
+    CP: tl.constexpr, BN: tl.constexpr, EPS: tl.constexpr):
+  """Forward over NSRC sources for BN tokens (grid: cdiv(N, BN)).
+
+  Inputs: ``s*`` ``[N, D]`` (sources' dtype), ``t_ptr`` ``[D]`` fp32; unless
+  FIRST, the carried state ``m_in``/``l_in`` ``[N, H]`` and ``acc_in``
+  ``[N, D]`` fp32. ``i_*`` are unused (poison buffers aliased to the outputs).
+  Outputs: LAST: ``out_ptr`` ``[N, D]`` = acc / l in the sources' dtype and
+  ``lse_ptr`` ``[N, H]`` = m + log l; else ``m_out``, ``l_out``, ``acc_out``.
+  Outputs a variant does not write are 1-element dummies.
+  """
+  pid = tl.program_id(0)
+  col, cmask = _cols(H, C, HP, CP)
+  off, mask, hoff, hmask = _rows(pid, N, col, cmask, D, H, HP, BN)
+  t = tl.load(t_ptr + col, mask=cmask, other=0.0)
+  if FIRST:
+    m = tl.full((BN, HP), float("-inf"), tl.float32)
+    l = tl.zeros((BN, HP), tl.float32)
+    acc = tl.zeros((BN, HP, CP), tl.float32)
+  else:
+    m = tl.load(m_in + hoff, mask=hmask, other=0.0)
+    l = tl.load(l_in + hoff, mask=hmask, other=1.0)
+    acc = tl.load(acc_in + off, mask=mask, other=0.0)
+  # <gen:FWD_STEPS>
+  if NSRC > 0:
+    m, l, acc = _fwd_step(s0, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 1:
+    m, l, acc = _fwd_step(s1, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 2:
+    m, l, acc = _fwd_step(s2, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 3:
+    m, l, acc = _fwd_step(s3, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 4:
+    m, l, acc = _fwd_step(s4, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 5:
+    m, l, acc = _fwd_step(s5, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 6:
+    m, l, acc = _fwd_step(s6, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 7:
+    m, l, acc = _fwd_step(s7, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 8:
+    m, l, acc = _fwd_step(s8, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 9:
+    m, l, acc = _fwd_step(s9, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 10:
+    m, l, acc = _fwd_step(s10, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 11:
+    m, l, acc = _fwd_step(s11, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 12:
+    m, l, acc = _fwd_step(s12, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 13:
+    m, l, acc = _fwd_step(s13, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 14:
+    m, l, acc = _fwd_step(s14, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 15:
+    m, l, acc = _fwd_step(s15, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 16:
+    m, l, acc = _fwd_step(s16, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 17:
+    m, l, acc = _fwd_step(s17, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 18:
+    m, l, acc = _fwd_step(s18, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 19:
+    m, l, acc = _fwd_step(s19, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 20:
+    m, l, acc = _fwd_step(s20, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 21:
+    m, l, acc = _fwd_step(s21, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 22:
+    m, l, acc = _fwd_step(s22, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 23:
+    m, l, acc = _fwd_step(s23, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 24:
+    m, l, acc = _fwd_step(s24, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 25:
+    m, l, acc = _fwd_step(s25, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 26:
+    m, l, acc = _fwd_step(s26, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 27:
+    m, l, acc = _fwd_step(s27, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 28:
+    m, l, acc = _fwd_step(s28, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 29:
+    m, l, acc = _fwd_step(s29, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 30:
+    m, l, acc = _fwd_step(s30, off, mask, t, m, l, acc, D, EPS)
+  if NSRC > 31:
+    m, l, acc = _fwd_step(s31, off, mask, t, m, l, acc, D, EPS)
+  # </gen:FWD_STEPS>
+  if LAST:
+    out = acc / l[:, :, None]
+    tl.store(out_ptr + off, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + hoff, m + tl.log(l), mask=hmask)
+  else:
+    tl.store(m_out + hoff, m, mask=hmask)
+    tl.store(l_out + hoff, l, mask=hmask)
+    tl.store(acc_out + off, acc, mask=mask)
+
+
+@triton.jit
+def _cpass_step(src, off, mask, t, g, lse, c, D: tl.constexpr,
+                EPS: tl.constexpr):
+  """``c += w_i * <g, s_i>`` per head."""
+  x, r, u, logit = _load_logits(src, off, mask, t, D, EPS)
+  w = tl.exp(logit - lse)
+  return c + w * tl.sum(g * x, axis=2)
+
+
+@triton.jit
+def _cpass_kernel(
+    # <gen:CPASS_SRC_PARAMS>
+    s0, s1, s2, s3, s4, s5, s6, s7,
+    s8, s9, s10, s11, s12, s13, s14, s15,
+    s16, s17, s18, s19, s20, s21, s22, s23,
+    s24, s25, s26, s27, s28, s29, s30, s31,
+    # </gen:CPASS_SRC_PARAMS>
+    g_ptr, t_ptr, lse_ptr, c_in,
+    i_c,
+    N,
+    c_out,
+    NSRC: tl.constexpr, FIRST: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
+    CP: tl.constexpr, BN: tl.constexpr, EPS: tl.constexpr):
+  """Backward pass 1 (grid: cdiv(N, BN)): ``c = sum_i w_i <g, s_i>_h``.
+
+  Inputs: ``s*`` ``[N, D]``, ``g_ptr`` ``[N, D]`` (d out), ``t_ptr`` ``[D]``,
+  ``lse_ptr`` ``[N, H]``, and unless FIRST ``c_in`` ``[N, H]`` (the sum over
+  earlier chunks). Output ``c_out`` ``[N, H]`` fp32.
+  """
+  pid = tl.program_id(0)
+  col, cmask = _cols(H, C, HP, CP)
+  off, mask, hoff, hmask = _rows(pid, N, col, cmask, D, H, HP, BN)
+  t = tl.load(t_ptr + col, mask=cmask, other=0.0)
+  g = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)
+  lse = tl.load(lse_ptr + hoff, mask=hmask, other=0.0)
+  if FIRST:
+    c = tl.zeros((BN, HP), tl.float32)
+  else:
+    c = tl.load(c_in + hoff, mask=hmask, other=0.0)
+  # <gen:CPASS_STEPS>
+  if NSRC > 0:
+    c = _cpass_step(s0, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 1:
+    c = _cpass_step(s1, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 2:
+    c = _cpass_step(s2, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 3:
+    c = _cpass_step(s3, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 4:
+    c = _cpass_step(s4, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 5:
+    c = _cpass_step(s5, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 6:
+    c = _cpass_step(s6, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 7:
+    c = _cpass_step(s7, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 8:
+    c = _cpass_step(s8, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 9:
+    c = _cpass_step(s9, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 10:
+    c = _cpass_step(s10, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 11:
+    c = _cpass_step(s11, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 12:
+    c = _cpass_step(s12, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 13:
+    c = _cpass_step(s13, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 14:
+    c = _cpass_step(s14, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 15:
+    c = _cpass_step(s15, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 16:
+    c = _cpass_step(s16, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 17:
+    c = _cpass_step(s17, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 18:
+    c = _cpass_step(s18, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 19:
+    c = _cpass_step(s19, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 20:
+    c = _cpass_step(s20, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 21:
+    c = _cpass_step(s21, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 22:
+    c = _cpass_step(s22, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 23:
+    c = _cpass_step(s23, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 24:
+    c = _cpass_step(s24, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 25:
+    c = _cpass_step(s25, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 26:
+    c = _cpass_step(s26, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 27:
+    c = _cpass_step(s27, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 28:
+    c = _cpass_step(s28, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 29:
+    c = _cpass_step(s29, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 30:
+    c = _cpass_step(s30, off, mask, t, g, lse, c, D, EPS)
+  if NSRC > 31:
+    c = _cpass_step(s31, off, mask, t, g, lse, c, D, EPS)
+  # </gen:CPASS_STEPS>
+  tl.store(c_out + hoff, c, mask=hmask)
+
+
+@triton.jit
+def _bwd_step(src, ds_ptr, off, mask, t, g, lse, c, dt, D: tl.constexpr,
+              EPS: tl.constexpr):
+  """Writes ``ds_i`` for one tile; returns ``dt + du_i * s_i``."""
+  x, r, u, logit = _load_logits(src, off, mask, t, D, EPS)
+  w = tl.exp(logit - lse)
+  dw = tl.sum(g * x, axis=2)
+  dl = w * (dw - c)
+  du = dl * r[:, None]
+  dr = tl.sum(dl * u, axis=1)
+  coef = dr * r * r * r / D
+  ds = (w[:, :, None] * g + du[:, :, None] * t[None, :, :]
+        - coef[:, None, None] * x)
+  tl.store(ds_ptr + off, ds.to(ds_ptr.dtype.element_ty), mask=mask)
+  return dt + du[:, :, None] * x
+
+
+@triton.jit
+def _bwd_kernel(
+    # <gen:BWD_SRC_PARAMS>
+    s0, s1, s2, s3, s4, s5, s6, s7,
+    s8, s9, s10, s11, s12, s13, s14, s15,
+    s16, s17, s18, s19, s20, s21, s22, s23,
+    s24, s25, s26, s27, s28, s29, s30, s31,
+    # </gen:BWD_SRC_PARAMS>
+    g_ptr, t_ptr, lse_ptr, c_ptr,
+    # <gen:BWD_INIT_PARAMS>
+    i0, i1, i2, i3, i4, i5, i6, i7,
+    i8, i9, i10, i11, i12, i13, i14, i15,
+    i16, i17, i18, i19, i20, i21, i22, i23,
+    i24, i25, i26, i27, i28, i29, i30, i31,
+    # </gen:BWD_INIT_PARAMS>
+    i_dt,
+    N, NTILES,
+    # <gen:BWD_OUT_PARAMS>
+    ds0, ds1, ds2, ds3, ds4, ds5, ds6, ds7,
+    ds8, ds9, ds10, ds11, ds12, ds13, ds14, ds15,
+    ds16, ds17, ds18, ds19, ds20, ds21, ds22, ds23,
+    ds24, ds25, ds26, ds27, ds28, ds29, ds30, ds31,
+    # </gen:BWD_OUT_PARAMS>
+    dt_ptr,
+    NSRC: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
+    CP: tl.constexpr, BN: tl.constexpr, EPS: tl.constexpr):
+  """Backward pass 2 (persistent grid of P programs over cdiv(N, BN) tiles).
+
+  Inputs: ``s*`` ``[N, D]``, ``g_ptr`` ``[N, D]``, ``t_ptr`` ``[D]``,
+  ``lse_ptr`` and ``c_ptr`` ``[N, H]`` fp32. Outputs: ``ds*`` ``[N, D]`` in
+  the sources' dtype (d source_i) and ``dt_ptr`` ``[P, D]`` fp32, each
+  program's partial sum of ``du_i * s_i`` over its tokens and sources.
+  """
+  pid = tl.program_id(0)
+  nprog = tl.num_programs(0)
+  col, cmask = _cols(H, C, HP, CP)
+  t = tl.load(t_ptr + col, mask=cmask, other=0.0)
+  dt = tl.zeros((BN, HP, CP), tl.float32)
+  for tile in range(pid, NTILES, nprog):
+    off, mask, hoff, hmask = _rows(tile, N, col, cmask, D, H, HP, BN)
+    g = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + hoff, mask=hmask, other=0.0)
+    c = tl.load(c_ptr + hoff, mask=hmask, other=0.0)
+    # <gen:BWD_STEPS>
+    if NSRC > 0:
+      dt = _bwd_step(s0, ds0, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 1:
+      dt = _bwd_step(s1, ds1, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 2:
+      dt = _bwd_step(s2, ds2, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 3:
+      dt = _bwd_step(s3, ds3, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 4:
+      dt = _bwd_step(s4, ds4, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 5:
+      dt = _bwd_step(s5, ds5, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 6:
+      dt = _bwd_step(s6, ds6, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 7:
+      dt = _bwd_step(s7, ds7, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 8:
+      dt = _bwd_step(s8, ds8, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 9:
+      dt = _bwd_step(s9, ds9, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 10:
+      dt = _bwd_step(s10, ds10, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 11:
+      dt = _bwd_step(s11, ds11, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 12:
+      dt = _bwd_step(s12, ds12, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 13:
+      dt = _bwd_step(s13, ds13, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 14:
+      dt = _bwd_step(s14, ds14, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 15:
+      dt = _bwd_step(s15, ds15, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 16:
+      dt = _bwd_step(s16, ds16, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 17:
+      dt = _bwd_step(s17, ds17, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 18:
+      dt = _bwd_step(s18, ds18, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 19:
+      dt = _bwd_step(s19, ds19, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 20:
+      dt = _bwd_step(s20, ds20, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 21:
+      dt = _bwd_step(s21, ds21, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 22:
+      dt = _bwd_step(s22, ds22, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 23:
+      dt = _bwd_step(s23, ds23, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 24:
+      dt = _bwd_step(s24, ds24, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 25:
+      dt = _bwd_step(s25, ds25, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 26:
+      dt = _bwd_step(s26, ds26, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 27:
+      dt = _bwd_step(s27, ds27, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 28:
+      dt = _bwd_step(s28, ds28, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 29:
+      dt = _bwd_step(s29, ds29, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 30:
+      dt = _bwd_step(s30, ds30, off, mask, t, g, lse, c, dt, D, EPS)
+    if NSRC > 31:
+      dt = _bwd_step(s31, ds31, off, mask, t, g, lse, c, dt, D, EPS)
+    # </gen:BWD_STEPS>
+  tl.store(dt_ptr + pid * D + col, tl.sum(dt, axis=0), mask=cmask)
+
+
+# -----------------------------------------------------------------------------
+# Launch plumbing
+# -----------------------------------------------------------------------------
+
+
+def _pow2(x: int) -> int:
+  return 1 << max(0, (x - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+  """Static description of one routing call (hashable: a custom_vjp nondiff)."""
+  d: int
+  h: int
+  eps: float
+  exact_bwd: bool
+  poison: bool
+  chunk: int
+  fwd_bn: int
+  fwd_warps: int
+  cpass_bn: int
+  cpass_warps: int
+  bwd_bn: int
+  bwd_warps: int
+  bwd_programs: int
+  mesh: object = None              # AbstractMesh, or None: call directly
+  batch_axes: tuple = ()           # mesh axes splitting the first leading dim
+
+  @property
+  def c(self):
+    return self.d // self.h
+
+  @property
+  def hp(self):
+    return _pow2(self.h)
+
+  @property
+  def cp(self):
+    return _pow2(self.c)
+
+  def meta(self, bn):
+    return dict(D=self.d, H=self.h, C=self.c, HP=self.hp, CP=self.cp, BN=bn,
+                EPS=float(self.eps))
+
+
+def _tokens_per_program(padded_width: int, elems_per_thread: int,
+                        warps: int) -> int:
+  """Largest power of two BN with BN * width <= elems * threads, in [1, 64]."""
+  bn = max(1, elems_per_thread * 32 * warps // padded_width)
+  return min(64, 1 << (bn.bit_length() - 1))
+
+
+def _num_sms() -> int:
+  try:
+    return int(getattr(jax.devices()[0], "core_count", 132) or 132)
+  except Exception:  # pragma: no cover
+    return 132
+
+
+def _make_cfg(d, h, eps, exact_bwd, mesh, batch_axes) -> _Cfg:
+  tu = TUNING
+  width = _pow2(h) * _pow2(d // h)
+  chunk = int(min(max(1, CHUNK), MAX_SOURCES_PER_LAUNCH))
+  return _Cfg(
+      d=d, h=h, eps=float(eps), exact_bwd=bool(exact_bwd), poison=POISON,
+      chunk=chunk,
+      fwd_bn=_tokens_per_program(width, tu["fwd_elems_per_thread"],
+                                 tu["fwd_warps"]),
+      fwd_warps=tu["fwd_warps"],
+      cpass_bn=_tokens_per_program(width, tu["cpass_elems_per_thread"],
+                                   tu["cpass_warps"]),
+      cpass_warps=tu["cpass_warps"],
+      bwd_bn=_tokens_per_program(width, tu["bwd_elems_per_thread"],
+                                 tu["bwd_warps"]),
+      bwd_warps=tu["bwd_warps"],
+      bwd_programs=max(1, _num_sms() * tu["bwd_programs_per_sm"]),
+      mesh=mesh, batch_axes=tuple(batch_axes))
+
+
+def _launch(kernel, inputs, scalars, out_shapes, *, grid, num_warps,
+            carry=None, poison=False, dummy=None, **meta):
+  """``triton_call`` with the signature convention of the kernels above.
+
+  The kernel's parameters are ``inputs``, then one unused "init" pointer per
+  output, then ``scalars``, then the outputs, then the constexprs ``meta``.
+  ``carry`` maps output index -> input index to alias (in-place state). In
+  poison mode every other output gets a NaN-filled init buffer aliased to it.
+  """
+  carry = dict(carry or {})
+  aliases = {}
+  inits = []
+  n_in = len(inputs)
+  for j, shp in enumerate(out_shapes):
+    if j in carry:
+      aliases[carry[j]] = j
+      inits.append(dummy)
+    elif poison and math.prod(shp.shape) > 1:
+      inits.append(jnp.full(shp.shape, jnp.nan, shp.dtype))
+      aliases[n_in + j] = j
+    else:
+      inits.append(dummy)
+  return jt.triton_call(
+      *inputs, *inits, *scalars, kernel=kernel, out_shape=list(out_shapes),
+      grid=grid, num_warps=num_warps, num_stages=1,
+      input_output_aliases=aliases, **meta)
+
+
+def _chunks(seq, k):
+  return [seq[i:i + k] for i in range(0, len(seq), k)]
+
+
+def _pad_slots(chunk):
+  return list(chunk) + [chunk[0]] * (MAX_SOURCES_PER_LAUNCH - len(chunk))
+
+
+def _fwd_local(srcs, t, cfg: _Cfg):
+  """``srcs``: tuple of ``[N, D]``; ``t``: ``[D]`` fp32 -> ``(out, lse)``."""
+  n, d = srcs[0].shape
+  h = cfg.h
+  dtype = srcs[0].dtype
+  f32 = jnp.float32
+  bn = cfg.fwd_bn
+  grid = (triton.cdiv(n, bn),)
+  one = jax.ShapeDtypeStruct((1,), f32)
+  chunks = _chunks(list(srcs), cfg.chunk)
+  m = l = acc = None
+  for ci, ch in enumerate(chunks):
+    first, last = ci == 0, ci == len(chunks) - 1
+    state = (t, t, t) if first else (m, l, acc)
+    inputs = _pad_slots(ch) + [t, *state]
+    shapes = [
+        jax.ShapeDtypeStruct((n, d), dtype) if last else one,
+        jax.ShapeDtypeStruct((n, h), f32) if last else one,
+        one if last else jax.ShapeDtypeStruct((n, h), f32),
+        one if last else jax.ShapeDtypeStruct((n, h), f32),
+        one if last else jax.ShapeDtypeStruct((n, d), f32),
+    ]
+    k = MAX_SOURCES_PER_LAUNCH
+    carry = {} if (first or last) else {2: k + 1, 3: k + 2, 4: k + 3}
+    res = _launch(_fwd_kernel, inputs, [n], shapes, grid=grid,
+                  num_warps=cfg.fwd_warps, carry=carry, poison=cfg.poison,
+                  dummy=t, NSRC=len(ch), FIRST=first, LAST=last,
+                  **cfg.meta(bn))
+    if last:
+      return res[0], res[1]
+    m, l, acc = res[2], res[3], res[4]
+  raise AssertionError("unreachable")
+
+
+def _cpass_local(srcs, g, t, lse, cfg: _Cfg):
+  """``c = sum_i w_i <g, s_i>_h``, ``[N, H]`` fp32."""
+  n, _ = srcs[0].shape
+  bn = cfg.cpass_bn
+  grid = (triton.cdiv(n, bn),)
+  k = MAX_SOURCES_PER_LAUNCH
+  c = None
+  for ci, ch in enumerate(_chunks(list(srcs), cfg.chunk)):
+    first = ci == 0
+    inputs = _pad_slots(ch) + [g, t, lse, t if first else c]
+    (c,) = _launch(_cpass_kernel, inputs, [n],
+                   [jax.ShapeDtypeStruct((n, cfg.h), jnp.float32)],
+                   grid=grid, num_warps=cfg.cpass_warps,
+                   carry={} if first else {0: k + 3}, poison=cfg.poison,
+                   dummy=t, NSRC=len(ch), FIRST=first, **cfg.meta(bn))
+  return c
+
+
+def _bwd_local(srcs, g, t, lse, c, cfg: _Cfg):
+  """Returns ``(ds tuple of [N, D], dt [D] fp32)`` (dt local to this shard)."""
+  n, d = srcs[0].shape
+  bn = cfg.bwd_bn
+  ntiles = triton.cdiv(n, bn)
+  progs = min(ntiles, cfg.bwd_programs)
+  dts = []
+  ds = []
+  for ch in _chunks(list(srcs), cfg.chunk):
+    inputs = _pad_slots(ch) + [g, t, lse, c]
+    k = MAX_SOURCES_PER_LAUNCH
+    shapes = ([jax.ShapeDtypeStruct((n, d), srcs[0].dtype)] * len(ch)
+              + [jax.ShapeDtypeStruct((1,), jnp.float32)] * (k - len(ch))
+              + [jax.ShapeDtypeStruct((progs, d), jnp.float32)])
+    res = _launch(_bwd_kernel, inputs, [n, ntiles], shapes, grid=(progs,),
+                  num_warps=cfg.bwd_warps, poison=cfg.poison, dummy=t,
+                  NSRC=len(ch), **cfg.meta(bn))
+    ds.extend(res[:len(ch)])
+    dts.append(jnp.sum(res[-1], axis=0))
+  return tuple(ds), functools.reduce(jnp.add, dts)
+
+
+# -----------------------------------------------------------------------------
+# custom_vjp and sharding
+# -----------------------------------------------------------------------------
+
+
+def _shard(cfg: _Cfg, fn, in_specs, out_specs):
+  if cfg.mesh is None:
+    return fn
+  return jax.shard_map(fn, mesh=cfg.mesh, in_specs=in_specs,
+                       out_specs=out_specs, check_vma=False)
+
+
+def _tok_spec(cfg: _Cfg, ndim: int):
+  """Spec of a ``[tokens..., last]`` array: first dim over the batch axes."""
+  from jax.sharding import PartitionSpec as P
+  first = None
+  if cfg.batch_axes:
+    first = cfg.batch_axes if len(cfg.batch_axes) > 1 else cfg.batch_axes[0]
+  return P(first, *([None] * (ndim - 1)))
+
+
+def _flat(x):
+  return x.reshape(-1, x.shape[-1])
+
+
+def _fwd_impl(srcs, t, cfg):
+  """Sharded forward: ``srcs`` ``[..., D]`` -> ``(out [..., D], lse [..., H])``."""
+  lead = srcs[0].shape[:-1]
+
+  def local(srcs, t):
+    loc_lead = srcs[0].shape[:-1]
+    out, lse = _fwd_local(tuple(_flat(s) for s in srcs), t, cfg)
+    return (out.reshape(*loc_lead, cfg.d), lse.reshape(*loc_lead, cfg.h))
+
+  from jax.sharding import PartitionSpec as P
+  spec = _tok_spec(cfg, len(lead) + 1)
+  return _shard(cfg, local, (tuple(spec for _ in srcs), P()),
+                (spec, spec))(tuple(srcs), t)
+
+
+def _bwd_impl(srcs, g, t, lse, out, cfg):
+  """Sharded backward -> ``(ds tuple [..., D], dt [D])``."""
+  lead = srcs[0].shape[:-1]
+
+  def local(srcs, g, t, lse, out):
+    loc_lead = srcs[0].shape[:-1]
+    fs = tuple(_flat(s) for s in srcs)
+    g2, lse2 = _flat(g), lse.reshape(-1, cfg.h)
+    if cfg.exact_bwd:
+      c = _cpass_local(fs, g2, t, lse2, cfg)
+    else:
+      c = jnp.einsum("nhc,nhc->nh",
+                     g2.astype(jnp.float32).reshape(-1, cfg.h, cfg.c),
+                     _flat(out).astype(jnp.float32).reshape(-1, cfg.h, cfg.c))
+    ds, dt = _bwd_local(fs, g2, t, lse2, c, cfg)
+    if cfg.mesh is not None and cfg.batch_axes:
+      dt = jax.lax.psum(dt, cfg.batch_axes)
+    return tuple(x.reshape(*loc_lead, cfg.d) for x in ds), dt
+
+  from jax.sharding import PartitionSpec as P
+  spec = _tok_spec(cfg, len(lead) + 1)
+  if out is None:
+    out = t  # unused in the exact path; a replicated stand-in
+    out_spec = P()
+  else:
+    out_spec = spec
+  return _shard(cfg, local,
+                (tuple(spec for _ in srcs), spec, P(), spec, out_spec),
+                (tuple(spec for _ in srcs), P()))(tuple(srcs), g, t, lse, out)
+
+
+def _t(query, norm_scale):
+  return query.astype(jnp.float32) * norm_scale.astype(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _route(srcs, query, norm_scale, cfg):
+  return _fwd_impl(srcs, _t(query, norm_scale), cfg)[0]
+
+
+def _route_fwd(srcs, query, norm_scale, cfg):
+  out, lse = _fwd_impl(srcs, _t(query, norm_scale), cfg)
+  return out, (srcs, query, norm_scale, lse,
+               None if cfg.exact_bwd else out)
+
+
+def _route_bwd(cfg, res, g):
+  srcs, query, norm_scale, lse, out = res
+  t = _t(query, norm_scale)
+  ds, dt = _bwd_impl(srcs, g.astype(srcs[0].dtype), t, lse, out, cfg)
+  dquery = (dt * norm_scale.astype(jnp.float32)).astype(query.dtype)
+  dscale = (dt * query.astype(jnp.float32)).astype(norm_scale.dtype)
+  return tuple(ds), dquery, dscale
+
+
+_route.defvjp(_route_fwd, _route_bwd)
+
+
+# -----------------------------------------------------------------------------
+# Public entry point
+# -----------------------------------------------------------------------------
+
+_BATCH_AXIS_NAMES = ("data", "fsdp", "batch", "dp")
+
+
+def _rule_batch_axes(mesh) -> tuple:
+  """Mesh axes for ``activation_batch`` from flax's logical rules, if set."""
+  try:
+    from flax.core import spmd as core_spmd
+    rules = dict(core_spmd.get_logical_axis_rules() or ())
+  except Exception:  # pragma: no cover - flax missing or API moved
+    rules = {}
+  axes = rules.get("activation_batch")
+  if axes is None:
+    return tuple(a for a in mesh.axis_names if a in _BATCH_AXIS_NAMES)
+  return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _explicit_batch_axes(x) -> tuple | None:
+  """Axes sharding dim 0 of ``x`` when its type carries an explicit sharding."""
+  try:
+    spec = jax.typeof(x).sharding.spec
+  except Exception:
+    return None
+  if not spec or spec[0] is None:
+    return None
+  return (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
+
+
+def sharding_plan(first_source, mesh=None, batch_axes=None):
+  """Returns ``(mesh or None, batch_axes)`` for a call on ``first_source``.
+
+  ``mesh`` defaults to the abstract mesh in context; an empty mesh, or one
+  whose axes all have size 1, gives ``(None, ())`` (call the kernels
+  directly). ``batch_axes`` defaults as described in the module docstring.
+  """
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or all(v == 1 for v in mesh.shape.values()):
+      return None, ()
+  if batch_axes is None:
+    batch_axes = _explicit_batch_axes(first_source)
+    if batch_axes is None:
+      batch_axes = _rule_batch_axes(mesh)
+  batch_axes = tuple(a for a in batch_axes if a in mesh.shape)
+  size = math.prod(mesh.shape[a] for a in batch_axes)
+  if first_source.ndim < 2 or first_source.shape[0] % size:
+    batch_axes = ()
+  return mesh, batch_axes
+
+
+def route(sources: reference.Sources, query: jax.Array,
+          norm_scale: jax.Array, *, num_heads: int, eps: float = 1e-6,
+          exact_bwd: bool = True, mesh=None, batch_axes=None) -> jax.Array:
+  """Multi-head depth routing through the Triton kernels.
+
+  Args:
+    sources: ``[S, ..., D]`` or a sequence of S arrays ``[..., D]`` (bf16,
+      fp16 or fp32; all alike). A list is never stacked; an ``[S, ...]`` array
+      is sliced into S operands.
+    query, norm_scale: ``[D]``.
+    num_heads: H, dividing D.
+    eps: RMSNorm epsilon.
+    exact_bwd: two-pass exact backward (default) or one pass that takes
+      ``sum_i w_i <g, s_i>`` from the saved output (see module docstring).
+    mesh, batch_axes: override the sharding plan (:func:`sharding_plan`);
+      passing ``mesh`` forces the shard_map path even on one device.
+
+  Returns:
+    ``[..., D]`` in the sources' dtype, equal to
+    :func:`mhar_jax.kernels.reference.route`.
+  """
+  srcs = reference.as_source_list(sources)
+  d = reference.check_route_args(srcs, query, norm_scale, num_heads)
+  if srcs[0].size == 0:
+    return jnp.zeros(srcs[0].shape, srcs[0].dtype)
+  mesh, axes = sharding_plan(srcs[0], mesh, batch_axes)
+  cfg = _make_cfg(d, num_heads, eps, exact_bwd, mesh, axes)
+  return _route(tuple(srcs), query, norm_scale, cfg)
+
+
+class poison_outputs:
+  """Context manager: trace routing calls with NaN-poisoned output buffers."""
+
+  def __enter__(self):
+    global POISON
+    self._old, POISON = POISON, True
+    return self
+
+  def __exit__(self, *exc):
+    global POISON
+    POISON = self._old
+    return False
