@@ -355,7 +355,11 @@ class Checkpointer:
 
         Args:
           step: training step (the directory name).
-          state: pytree of jax arrays (or numpy / Python scalars).
+          state: pytree of jax arrays (or numpy / Python scalars).  In
+            multi-process runs every ``jax.Array`` must be a global array
+            (e.g. ``NamedSharding`` over the global mesh, ``P()`` for
+            replicated scalars such as the step counter), not a host-local
+            single-device array.
           data_state: data-iterator state, JSON-serialisable dict or bytes.
           meta: JSON-serialisable dict (config, fingerprint, tokens_seen...).
 
