@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from mhar_jax.data import loader, prepare, tiny
+from mhar_jax.data import prepare, tiny
 from mhar_jax.data import (
     TINY_TOKENIZER, TokenStream, bits_per_byte, bytes_per_token, check_data_dir,
     ensure_tiny_dataset, load_meta, make_eval_batches, make_train_iterator, num_eval_batches,

@@ -10,8 +10,8 @@ into ``W = (N - 1) // seq_len`` packed windows of ``seq_len + 1`` tokens,
 so windows cross document boundaries (the model sees ``eot`` between
 documents) and consecutive windows overlap by one token.
 
-Training order: a grain ``MapDataset.range(W).shuffle(seed).repeat(num_epochs)``
-of window ids (each epoch reshuffled with seed + epoch), cut into consecutive
+Training order: a grain ``MapDataset.range(W).shuffle(h(seed)).repeat(num_epochs)``
+of window ids (each epoch reshuffled differently), cut into consecutive
 global batches of ``global_batch`` ids. Process ``p`` of ``P`` reads rows
 ``[p * B, (p + 1) * B)`` of every global batch, ``B = global_batch // P``, so
 concatenating the local batches of all processes in process order gives exactly
@@ -231,8 +231,8 @@ def make_train_dataset(data_dir: str, split: str, *, seq_len: int, global_batch:
         raise ValueError(f"split {split!r} in {data_dir!r} has {stream.num_tokens} tokens, "
                          f"fewer than seq_len + 1 = {seq_len + 1}")
     order = grain.MapDataset.range(n)
-    if shuffle:
-        order = order.shuffle(seed=seed)
+    if shuffle:  # hash the seed: grain reshuffles epoch e with seed + e
+        order = order.shuffle(seed=int(np.random.SeedSequence(seed).generate_state(1)[0]))
     order = order.repeat(num_epochs)
     if len(order) < global_batch:
         raise ValueError(f"split {split!r} has {len(order)} windows of {seq_len + 1} tokens "

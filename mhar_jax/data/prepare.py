@@ -420,8 +420,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--output", required=True, help="dataset directory")
     ap.add_argument("--split", default="train", help="split name (default: train)")
     ap.add_argument("--text_field", default="text", help="JSONL text field (default: text)")
-    ap.add_argument("--workers", type=int, default=0, help="tokenizer processes (default: 0 = in-process)")
-    ap.add_argument("--eot_token", default=EOT_TOKEN, help="end-of-text token (default: <|endoftext|>)")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="tokenizer processes (default: 0 = in-process)")
+    ap.add_argument("--eot_token", default=EOT_TOKEN,
+                    help="end-of-text token (default: <|endoftext|>)")
     ap.add_argument("--shard_tokens", type=int, default=1 << 28, help="tokens per shard file")
     args = ap.parse_args(argv)
     try:
