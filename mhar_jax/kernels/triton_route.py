@@ -128,22 +128,27 @@ def _cols(H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
 @triton.jit
 def _rows(tile, N, col, cmask, D: tl.constexpr, H: tl.constexpr,
           HP: tl.constexpr, BN: tl.constexpr):
-  """Offsets/masks of token tile ``tile``: ``[BN, HP, CP]`` and ``[BN, HP]``."""
-  n = tile * BN + tl.arange(0, BN)
-  nmask = n < N
-  n64 = n.to(tl.int64)
-  off = n64[:, None, None] * D + col[None, :, :]
+  """Token tile ``tile``: int64 element offsets of its first row in a
+  ``[N, D]`` and an ``[N, H]`` array, int32 offsets inside the tile
+  (``[BN, HP, CP]`` and ``[BN, HP]``) and their masks."""
+  row0 = tile * BN
+  rows = tl.arange(0, BN)
+  nmask = (row0 + rows) < N
+  base = row0.to(tl.int64) * D
+  hbase = row0.to(tl.int64) * H
+  off = rows[:, None, None] * D + col[None, :, :]
   mask = nmask[:, None, None] & cmask[None, :, :]
   h = tl.arange(0, HP)
-  hoff = n64[:, None] * H + h[None, :]
+  hoff = rows[:, None] * H + h[None, :]
   hmask = nmask[:, None] & (h[None, :] < H)
-  return off, mask, hoff, hmask
+  return base, off, mask, hbase, hoff, hmask
 
 
 @triton.jit
-def _load_logits(src, off, mask, t, D: tl.constexpr, EPS: tl.constexpr):
+def _load_logits(src, base, off, mask, t, D: tl.constexpr,
+                 EPS: tl.constexpr):
   """Loads one source tile (fp32) and returns ``(x, r [BN], u, logit [BN, HP])``."""
-  x = tl.load(src + off, mask=mask, other=0.0).to(tl.float32)
+  x = tl.load(src + base + off, mask=mask, other=0.0).to(tl.float32)
   ss = tl.sum(tl.sum(x * x, axis=2), axis=1)
   r = tl.rsqrt(ss / D + EPS)
   u = tl.sum(x * t[None, :, :], axis=2)
@@ -151,10 +156,10 @@ def _load_logits(src, off, mask, t, D: tl.constexpr, EPS: tl.constexpr):
 
 
 @triton.jit
-def _fwd_step(src, off, mask, t, m, l, acc, D: tl.constexpr,
+def _fwd_step(src, base, off, mask, t, m, l, acc, D: tl.constexpr,
               EPS: tl.constexpr):
   """One source of the online softmax: updates ``(m, l, acc)``."""
-  x, r, u, logit = _load_logits(src, off, mask, t, D, EPS)
+  x, r, u, logit = _load_logits(src, base, off, mask, t, D, EPS)
   m_new = tl.maximum(m, logit)
   alpha = tl.exp(m - m_new)
   p = tl.exp(logit - m_new)
@@ -189,97 +194,99 @@ def _fwd_kernel(
   """
   pid = tl.program_id(0)
   col, cmask = _cols(H, C, HP, CP)
-  off, mask, hoff, hmask = _rows(pid, N, col, cmask, D, H, HP, BN)
+  base, off, mask, hbase, hoff, hmask = _rows(pid, N, col, cmask, D, H,
+                                                 HP, BN)
   t = tl.load(t_ptr + col, mask=cmask, other=0.0)
   if FIRST:
     m = tl.full((BN, HP), float("-inf"), tl.float32)
     l = tl.zeros((BN, HP), tl.float32)
     acc = tl.zeros((BN, HP, CP), tl.float32)
   else:
-    m = tl.load(m_in + hoff, mask=hmask, other=0.0)
-    l = tl.load(l_in + hoff, mask=hmask, other=1.0)
-    acc = tl.load(acc_in + off, mask=mask, other=0.0)
+    m = tl.load(m_in + hbase + hoff, mask=hmask, other=0.0)
+    l = tl.load(l_in + hbase + hoff, mask=hmask, other=1.0)
+    acc = tl.load(acc_in + base + off, mask=mask, other=0.0)
   # <gen:FWD_STEPS>
   if NSRC > 0:
-    m, l, acc = _fwd_step(s0, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s0, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 1:
-    m, l, acc = _fwd_step(s1, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s1, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 2:
-    m, l, acc = _fwd_step(s2, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s2, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 3:
-    m, l, acc = _fwd_step(s3, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s3, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 4:
-    m, l, acc = _fwd_step(s4, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s4, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 5:
-    m, l, acc = _fwd_step(s5, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s5, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 6:
-    m, l, acc = _fwd_step(s6, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s6, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 7:
-    m, l, acc = _fwd_step(s7, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s7, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 8:
-    m, l, acc = _fwd_step(s8, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s8, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 9:
-    m, l, acc = _fwd_step(s9, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s9, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 10:
-    m, l, acc = _fwd_step(s10, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s10, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 11:
-    m, l, acc = _fwd_step(s11, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s11, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 12:
-    m, l, acc = _fwd_step(s12, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s12, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 13:
-    m, l, acc = _fwd_step(s13, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s13, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 14:
-    m, l, acc = _fwd_step(s14, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s14, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 15:
-    m, l, acc = _fwd_step(s15, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s15, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 16:
-    m, l, acc = _fwd_step(s16, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s16, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 17:
-    m, l, acc = _fwd_step(s17, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s17, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 18:
-    m, l, acc = _fwd_step(s18, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s18, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 19:
-    m, l, acc = _fwd_step(s19, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s19, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 20:
-    m, l, acc = _fwd_step(s20, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s20, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 21:
-    m, l, acc = _fwd_step(s21, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s21, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 22:
-    m, l, acc = _fwd_step(s22, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s22, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 23:
-    m, l, acc = _fwd_step(s23, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s23, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 24:
-    m, l, acc = _fwd_step(s24, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s24, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 25:
-    m, l, acc = _fwd_step(s25, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s25, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 26:
-    m, l, acc = _fwd_step(s26, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s26, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 27:
-    m, l, acc = _fwd_step(s27, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s27, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 28:
-    m, l, acc = _fwd_step(s28, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s28, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 29:
-    m, l, acc = _fwd_step(s29, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s29, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 30:
-    m, l, acc = _fwd_step(s30, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s30, base, off, mask, t, m, l, acc, D, EPS)
   if NSRC > 31:
-    m, l, acc = _fwd_step(s31, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(s31, base, off, mask, t, m, l, acc, D, EPS)
   # </gen:FWD_STEPS>
   if LAST:
     out = acc / l[:, :, None]
-    tl.store(out_ptr + off, out.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(lse_ptr + hoff, m + tl.log(l), mask=hmask)
+    tl.store(out_ptr + base + off, out.to(out_ptr.dtype.element_ty),
+             mask=mask)
+    tl.store(lse_ptr + hbase + hoff, m + tl.log(l), mask=hmask)
   else:
-    tl.store(m_out + hoff, m, mask=hmask)
-    tl.store(l_out + hoff, l, mask=hmask)
-    tl.store(acc_out + off, acc, mask=mask)
+    tl.store(m_out + hbase + hoff, m, mask=hmask)
+    tl.store(l_out + hbase + hoff, l, mask=hmask)
+    tl.store(acc_out + base + off, acc, mask=mask)
 
 
 @triton.jit
-def _cpass_step(src, off, mask, t, g, lse, c, D: tl.constexpr,
+def _cpass_step(src, base, off, mask, t, g, lse, c, D: tl.constexpr,
                 EPS: tl.constexpr):
   """``c += w_i * <g, s_i>`` per head."""
-  x, r, u, logit = _load_logits(src, off, mask, t, D, EPS)
+  x, r, u, logit = _load_logits(src, base, off, mask, t, D, EPS)
   w = tl.exp(logit - lse)
   return c + w * tl.sum(g * x, axis=2)
 
@@ -307,88 +314,89 @@ def _cpass_kernel(
   """
   pid = tl.program_id(0)
   col, cmask = _cols(H, C, HP, CP)
-  off, mask, hoff, hmask = _rows(pid, N, col, cmask, D, H, HP, BN)
+  base, off, mask, hbase, hoff, hmask = _rows(pid, N, col, cmask, D, H,
+                                                 HP, BN)
   t = tl.load(t_ptr + col, mask=cmask, other=0.0)
-  g = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)
-  lse = tl.load(lse_ptr + hoff, mask=hmask, other=0.0)
+  g = tl.load(g_ptr + base + off, mask=mask, other=0.0).to(tl.float32)
+  lse = tl.load(lse_ptr + hbase + hoff, mask=hmask, other=0.0)
   if FIRST:
     c = tl.zeros((BN, HP), tl.float32)
   else:
-    c = tl.load(c_in + hoff, mask=hmask, other=0.0)
+    c = tl.load(c_in + hbase + hoff, mask=hmask, other=0.0)
   # <gen:CPASS_STEPS>
   if NSRC > 0:
-    c = _cpass_step(s0, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s0, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 1:
-    c = _cpass_step(s1, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s1, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 2:
-    c = _cpass_step(s2, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s2, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 3:
-    c = _cpass_step(s3, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s3, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 4:
-    c = _cpass_step(s4, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s4, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 5:
-    c = _cpass_step(s5, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s5, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 6:
-    c = _cpass_step(s6, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s6, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 7:
-    c = _cpass_step(s7, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s7, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 8:
-    c = _cpass_step(s8, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s8, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 9:
-    c = _cpass_step(s9, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s9, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 10:
-    c = _cpass_step(s10, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s10, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 11:
-    c = _cpass_step(s11, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s11, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 12:
-    c = _cpass_step(s12, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s12, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 13:
-    c = _cpass_step(s13, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s13, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 14:
-    c = _cpass_step(s14, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s14, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 15:
-    c = _cpass_step(s15, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s15, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 16:
-    c = _cpass_step(s16, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s16, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 17:
-    c = _cpass_step(s17, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s17, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 18:
-    c = _cpass_step(s18, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s18, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 19:
-    c = _cpass_step(s19, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s19, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 20:
-    c = _cpass_step(s20, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s20, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 21:
-    c = _cpass_step(s21, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s21, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 22:
-    c = _cpass_step(s22, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s22, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 23:
-    c = _cpass_step(s23, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s23, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 24:
-    c = _cpass_step(s24, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s24, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 25:
-    c = _cpass_step(s25, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s25, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 26:
-    c = _cpass_step(s26, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s26, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 27:
-    c = _cpass_step(s27, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s27, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 28:
-    c = _cpass_step(s28, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s28, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 29:
-    c = _cpass_step(s29, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s29, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 30:
-    c = _cpass_step(s30, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s30, base, off, mask, t, g, lse, c, D, EPS)
   if NSRC > 31:
-    c = _cpass_step(s31, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(s31, base, off, mask, t, g, lse, c, D, EPS)
   # </gen:CPASS_STEPS>
-  tl.store(c_out + hoff, c, mask=hmask)
+  tl.store(c_out + hbase + hoff, c, mask=hmask)
 
 
 @triton.jit
-def _bwd_step(src, ds_ptr, off, mask, t, g, lse, c, dt, D: tl.constexpr,
-              EPS: tl.constexpr):
+def _bwd_step(src, ds_ptr, base, off, mask, t, g, lse, c, dt,
+              D: tl.constexpr, EPS: tl.constexpr):
   """Writes ``ds_i`` for one tile; returns ``dt + du_i * s_i``."""
-  x, r, u, logit = _load_logits(src, off, mask, t, D, EPS)
+  x, r, u, logit = _load_logits(src, base, off, mask, t, D, EPS)
   w = tl.exp(logit - lse)
   dw = tl.sum(g * x, axis=2)
   dl = w * (dw - c)
@@ -397,7 +405,7 @@ def _bwd_step(src, ds_ptr, off, mask, t, g, lse, c, dt, D: tl.constexpr,
   coef = dr * r * r * r / D
   ds = (w[:, :, None] * g + du[:, :, None] * t[None, :, :]
         - coef[:, None, None] * x)
-  tl.store(ds_ptr + off, ds.to(ds_ptr.dtype.element_ty), mask=mask)
+  tl.store(ds_ptr + base + off, ds.to(ds_ptr.dtype.element_ty), mask=mask)
   return dt + du[:, :, None] * x
 
 
@@ -440,76 +448,78 @@ def _bwd_kernel(
   col, cmask = _cols(H, C, HP, CP)
   t = tl.load(t_ptr + col, mask=cmask, other=0.0)
   dt = tl.zeros((BN, HP, CP), tl.float32)
-  for tile in range(pid, NTILES, nprog):
-    off, mask, hoff, hmask = _rows(tile, N, col, cmask, D, H, HP, BN)
-    g = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    lse = tl.load(lse_ptr + hoff, mask=hmask, other=0.0)
-    c = tl.load(c_ptr + hoff, mask=hmask, other=0.0)
+  for k in range(0, tl.cdiv(NTILES - pid, nprog)):
+    tile = pid + k * nprog
+    base, off, mask, hbase, hoff, hmask = _rows(tile, N, col, cmask, D, H,
+                                                   HP, BN)
+    g = tl.load(g_ptr + base + off, mask=mask, other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + hbase + hoff, mask=hmask, other=0.0)
+    c = tl.load(c_ptr + hbase + hoff, mask=hmask, other=0.0)
     # <gen:BWD_STEPS>
     if NSRC > 0:
-      dt = _bwd_step(s0, ds0, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s0, ds0, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 1:
-      dt = _bwd_step(s1, ds1, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s1, ds1, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 2:
-      dt = _bwd_step(s2, ds2, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s2, ds2, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 3:
-      dt = _bwd_step(s3, ds3, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s3, ds3, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 4:
-      dt = _bwd_step(s4, ds4, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s4, ds4, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 5:
-      dt = _bwd_step(s5, ds5, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s5, ds5, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 6:
-      dt = _bwd_step(s6, ds6, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s6, ds6, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 7:
-      dt = _bwd_step(s7, ds7, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s7, ds7, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 8:
-      dt = _bwd_step(s8, ds8, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s8, ds8, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 9:
-      dt = _bwd_step(s9, ds9, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s9, ds9, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 10:
-      dt = _bwd_step(s10, ds10, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s10, ds10, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 11:
-      dt = _bwd_step(s11, ds11, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s11, ds11, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 12:
-      dt = _bwd_step(s12, ds12, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s12, ds12, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 13:
-      dt = _bwd_step(s13, ds13, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s13, ds13, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 14:
-      dt = _bwd_step(s14, ds14, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s14, ds14, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 15:
-      dt = _bwd_step(s15, ds15, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s15, ds15, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 16:
-      dt = _bwd_step(s16, ds16, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s16, ds16, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 17:
-      dt = _bwd_step(s17, ds17, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s17, ds17, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 18:
-      dt = _bwd_step(s18, ds18, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s18, ds18, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 19:
-      dt = _bwd_step(s19, ds19, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s19, ds19, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 20:
-      dt = _bwd_step(s20, ds20, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s20, ds20, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 21:
-      dt = _bwd_step(s21, ds21, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s21, ds21, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 22:
-      dt = _bwd_step(s22, ds22, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s22, ds22, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 23:
-      dt = _bwd_step(s23, ds23, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s23, ds23, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 24:
-      dt = _bwd_step(s24, ds24, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s24, ds24, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 25:
-      dt = _bwd_step(s25, ds25, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s25, ds25, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 26:
-      dt = _bwd_step(s26, ds26, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s26, ds26, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 27:
-      dt = _bwd_step(s27, ds27, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s27, ds27, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 28:
-      dt = _bwd_step(s28, ds28, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s28, ds28, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 29:
-      dt = _bwd_step(s29, ds29, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s29, ds29, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 30:
-      dt = _bwd_step(s30, ds30, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s30, ds30, base, off, mask, t, g, lse, c, dt, D, EPS)
     if NSRC > 31:
-      dt = _bwd_step(s31, ds31, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(s31, ds31, base, off, mask, t, g, lse, c, dt, D, EPS)
     # </gen:BWD_STEPS>
   tl.store(dt_ptr + pid * D + col, tl.sum(dt, axis=0), mask=cmask)
 

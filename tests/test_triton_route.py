@@ -1,0 +1,170 @@
+"""GPU tests: the Triton routing kernels against the pure-jnp reference.
+
+Skipped (at collection) unless JAX's default backend is a GPU and jax_triton
+imports; ``mhar_jax.kernels.triton_route`` (which imports jax_triton) is only
+imported after that check. On the device machine run with
+``JAX_PLATFORMS=cuda`` (tests/conftest.py defaults JAX to the CPU).
+
+Every kernel call is traced with poisoned outputs (NaN-filled buffers aliased
+to the kernel outputs), so an element a kernel fails to write is a NaN and
+fails the comparison. Inputs are fresh random draws with non-trivial scale and
+offset per source, random query and gain.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+if jax.default_backend() != "gpu":
+  pytest.skip("Triton routing kernels need a CUDA GPU", allow_module_level=True)
+pytest.importorskip("jax_triton")
+
+from mhar_jax import kernels  # noqa: E402
+from mhar_jax.kernels import reference  # noqa: E402
+from mhar_jax.kernels import triton_route as tr  # noqa: E402
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+def _rel(a, b):
+  a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+  b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+  assert np.isfinite(a).all(), "non-finite values (unwritten output?)"
+  nb = np.linalg.norm(b)
+  if nb == 0.0:
+    return float(np.linalg.norm(a))  # e.g. dquery with one source
+  return float(np.linalg.norm(a - b) / nb)
+
+
+_SEED = [0]
+
+
+def _inputs(s, lead, d, dtype):
+  _SEED[0] += 1
+  keys = jax.random.split(jax.random.PRNGKey(1000 + _SEED[0]), s + 3)
+  srcs = [(jax.random.normal(keys[i], (*lead, d)) * (0.5 + 0.7 * (i % 4))
+           + 0.3 * ((i % 3) - 1)).astype(dtype) for i in range(s)]
+  query = jax.random.normal(keys[s], (d,)) * 0.4
+  scale = 1.0 + 0.3 * jax.random.normal(keys[s + 1], (d,))
+  dout = jax.random.normal(keys[s + 2], (*lead, d)).astype(dtype)
+  return srcs, query, scale, dout
+
+
+def _compare(s, lead, d, h, dtype, *, stacked=False, remat=False, chunk=None,
+             exact_bwd=True, tol=None, route_kw=None, wrap=None):
+  srcs, query, scale, dout = _inputs(s, lead, d, dtype)
+  arg = jnp.stack(srcs) if stacked else srcs
+  kw = dict(route_kw or {})
+
+  def f_ref(x, q, g):
+    return reference.route(x, q, g, num_heads=h)
+
+  def f_tri(x, q, g):
+    return tr.route(x, q, g, num_heads=h, exact_bwd=exact_bwd, **kw)
+
+  if remat:
+    f_tri = jax.checkpoint(f_tri)
+
+  def run(f):
+    def both(x, q, g, dy):
+      out, vjp = jax.vjp(f, x, q, g)
+      return out, vjp(dy)
+    call = jax.jit(both)
+    return wrap(call, arg, query, scale, dout) if wrap else call(
+        arg, query, scale, dout)
+
+  old_chunk = tr.CHUNK
+  try:
+    if chunk is not None:
+      tr.CHUNK = chunk
+    with tr.poison_outputs():
+      out, (dx, dq, dg) = run(f_tri)
+  finally:
+    tr.CHUNK = old_chunk
+  out_r, (dx_r, dq_r, dg_r) = run(f_ref)
+  tol = tol if tol is not None else TOL[dtype]
+  assert out.dtype == out_r.dtype and out.shape == out_r.shape
+  errs = {"out": _rel(out, out_r), "dquery": _rel(dq, dq_r),
+          "dscale": _rel(dg, dg_r)}
+  if stacked:
+    errs["dsources"] = _rel(dx, dx_r)
+  else:
+    for i, (a, b) in enumerate(zip(dx, dx_r)):
+      assert a.dtype == b.dtype
+      errs[f"dsource{i}"] = _rel(a, b)
+  bad = {k: v for k, v in errs.items() if not v <= tol}
+  assert not bad, f"errors over {tol}: {bad} (all: {errs})"
+  return errs
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_one_source(dtype):
+  _compare(1, (300,), 1280, 8, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_d1280_h8_ragged_tokens(dtype):
+  # 3 * 337 = 1011 tokens: not a multiple of any block size.
+  _compare(8, (3, 337), 1280, 8, dtype)
+
+
+@pytest.mark.parametrize("h", [1, 16, 5])
+def test_heads(h):
+  # H=1 (AttnRes, C=1280 padded to 2048), H=16 (C=80), H=5 (C=256, H padded).
+  _compare(4, (517,), 1280, h, jnp.float32)
+
+
+def test_small_width_many_heads():
+  _compare(6, (2, 100), 512, 32, jnp.float32)  # C = 16
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_multiple_launches(dtype):
+  # S=10 in chunks of 4: three launches, state carried twice, ragged last.
+  _compare(10, (777,), 1280, 8, dtype, chunk=4)
+
+
+def test_default_chunk_many_sources():
+  # S=37 > CHUNK: the configuration of a deep model's later sites.
+  _compare(37, (1024,), 1280, 8, jnp.bfloat16)
+
+
+def test_stacked_input():
+  _compare(5, (2, 129), 1280, 8, jnp.float32, stacked=True)
+
+
+def test_remat():
+  _compare(6, (513,), 1280, 8, jnp.float32, remat=True)
+
+
+def test_fast_backward():
+  _compare(6, (513,), 1280, 8, jnp.float32, exact_bwd=False)
+  _compare(6, (513,), 1280, 8, jnp.bfloat16, exact_bwd=False, tol=2e-2)
+
+
+def test_one_device_mesh_shard_map():
+  mesh = jax.make_mesh((1,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:1])
+  # Forced shard_map path (mesh passed explicitly) ...
+  _compare(5, (4, 130), 1280, 8, jnp.float32,
+           route_kw=dict(mesh=mesh.abstract_mesh, batch_axes=("data",)))
+
+  # ... and the default path under a 1-device mesh context (direct call).
+  def in_mesh(call, *args):
+    with jax.set_mesh(mesh):
+      return call(*args)
+  _compare(5, (4, 130), 1280, 8, jnp.float32, wrap=in_mesh)
+
+
+def test_dispatcher():
+  srcs, query, scale, _ = _inputs(3, (64,), 512, jnp.float32)
+  got = kernels.route(srcs, query, scale, num_heads=8, impl="triton")
+  want = kernels.route(srcs, query, scale, num_heads=8, impl="reference")
+  assert _rel(got, want) <= 1e-5
+  assert kernels.resolve_impl("auto") == "triton"
