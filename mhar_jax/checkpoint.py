@@ -28,14 +28,17 @@ Trainer call order::
         loader.set_state(data_state); start = meta["step"] + 1
     for step in range(start, num_steps):
         state = train_step(state, next(loader))
+        meta = {"config": cfg, "fingerprint": fp, "tokens_seen": n}
         if step % save_every == 0:
-            ckpt.save(step, state, loader.get_state(),
-                      {"config": cfg, "fingerprint": fp, "tokens_seen": n})
+            ckpt.save(step, state, loader.get_state(), meta)   # async
         if stopper.should_stop(step):         # same answer on every process
-            ckpt.save(step, state, loader.get_state(), meta)
+            ckpt.save(step, state, loader.get_state(), meta)   # no-op if just saved
             break
     ckpt.close()                              # waits for the last async save
     # exit 0
+
+In multi-process runs call :func:`mhar_jax.distributed.initialize` first;
+every method here must then be called by all processes.
 
 Orbax 0.12.8 behaviour this relies on (read from its source, exercised by the
 tests): ``save`` blocks only for the device-to-host copy and directory set-up,
@@ -52,7 +55,6 @@ save has finished successfully, so a failed save never costs the previous one.
 from __future__ import annotations
 
 import base64
-import copy
 import dataclasses
 import json
 import logging
@@ -399,7 +401,7 @@ class Checkpointer:
             # filtering); Orbax still refuses to overwrite an existing step.
             self._mngr.save(step, args=args, force=True)
         except Exception as e:
-            self._after_failure(step)
+            self._after_failure()
             raise CheckpointSaveError(
                 f"saving checkpoint step {step} to {str(self.directory)!r} failed: {_short(e)}; "
                 f"earlier checkpoints are untouched (latest: {self.latest_step()})"
@@ -419,21 +421,20 @@ class Checkpointer:
         try:
             self._mngr.wait_until_finished()
         except Exception as e:
-            self._after_failure(pending)
+            self._after_failure()
             raise CheckpointSaveError(
                 f"asynchronous save of checkpoint step {pending} to {str(self.directory)!r} failed: "
                 f"{_short(e)}; that step was not committed, earlier checkpoints are untouched "
                 f"(latest: {self.latest_step()})"
             ) from e
 
-    def _after_failure(self, step: int | None) -> None:
+    def _after_failure(self) -> None:
         # Resync Orbax's step list from disk: it dropped the failed step and
         # the old steps it meant to delete from its in-memory list, but (as the
         # save failed) deleted nothing.  The failed step's
         # ``<step>.orbax-checkpoint-tmp`` directory is not touched here (Orbax
         # threads may still hold it); Orbax removes it when that step is
         # saved again or the next Checkpointer opens the directory.
-        del step
         try:
             self._mngr.reload()
         except Exception:  # pragma: no cover - best effort

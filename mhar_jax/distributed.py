@@ -39,7 +39,10 @@ pure-function part and can be tested with a fake environment):
 
 Fault tolerance.  jax 0.10.2's coordination service makes every process send
 heartbeats; when a peer has been silent for ``heartbeat_timeout`` seconds the
-survivors are terminated with an error (the process aborts; it does not hang).
+survivors are terminated with an error (the process aborts with SIGABRT after
+logging "Terminating process because the JAX distributed service detected
+fatal errors"; it does not hang).  If the coordinator (process 0) dies, the
+others notice at once from the broken connection.
 ``initialization_timeout`` bounds the wait for all peers to connect, and
 ``shutdown_timeout`` bounds the barrier in ``jax.distributed.shutdown()`` (run
 at interpreter exit) when a peer never arrives.
@@ -311,8 +314,11 @@ def initialize(
     Raises:
       ValueError: only some of the three explicit arguments were given, or the
         environment is inconsistent.
-      RuntimeError: the JAX backend was already initialised, or jax failed to
-        connect within ``initialization_timeout``.
+      RuntimeError: the JAX backend was already initialised.
+
+    If the peers do not all connect within ``initialization_timeout``, or one
+    dies later, jax's coordination client terminates this process (SIGABRT,
+    exit status 134 from a shell) with a log line naming the failure.
     """
     global _INFO
     if _INFO is not None:

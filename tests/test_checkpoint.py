@@ -3,7 +3,6 @@ architecture check, unwritable dir, failed saves, crash mid-save, SIGTERM."""
 
 import errno
 import glob
-import json
 import logging
 import os
 import shutil
@@ -184,6 +183,19 @@ def test_no_valid_checkpoint(tmp_path, caplog):
     with pytest.raises(NoValidCheckpointError, match="step 2"):
         ck.restore(2)
     ck.close()
+
+
+def test_process_count_mismatch(tmp_path):
+    with Checkpointer(tmp_path) as ck:
+        _save(ck, 1)
+        ck.wait()
+        path = tmp_path / "1" / "meta" / "meta.json"
+        path.write_text(path.read_text().replace('"process_count": 1', '"process_count": 2'))
+        with pytest.raises(ValueError, match="written by 2 processes.*restore_data=False"):
+            ck.restore()
+        state, data, meta = ck.restore(restore_data=False)
+        assert data is None and meta["step"] == 1
+        np.testing.assert_array_equal(np.asarray(state["opt"]["mu"]), np.full((256, 8), 1.0))
 
 
 def test_check_compatible():
