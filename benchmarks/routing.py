@@ -74,10 +74,10 @@ def _median_ms(fn, args, *, min_rep_s=0.02, reps=15, max_inner=50):
       1e3 * min(times), 1e3 * max(times))
 
 
-def copy_bandwidth():
+def copy_bandwidth(mib=2048):
   """GB/s of large device copies (bytes read + written)."""
   res = {}
-  n = 1 << 30  # 2 GiB of bf16
+  n = mib * (1 << 19)  # bf16 elements in `mib` MiB
   x = jnp.ones((n,), jnp.bfloat16) * 1.25
   f = jax.jit(lambda x: x * jnp.bfloat16(1.5))
   ms, _, _ = _median_ms(f, (x,), reps=20)
@@ -249,6 +249,7 @@ def main():
                  help="JSON dict merged into triton_route.TUNING")
   p.add_argument("--chunk", type=int, default=None)
   p.add_argument("--json", default=None)
+  p.add_argument("--copy-mib", type=int, default=2048)
   args = p.parse_args()
 
   from mhar_jax.kernels import triton_route as tr
@@ -260,7 +261,7 @@ def main():
   dev = jax.devices()[0]
   print(f"device: {dev.device_kind} ({jax.default_backend()}), jax "
         f"{jax.__version__}, sms={getattr(dev, 'core_count', '?')}", flush=True)
-  cb = copy_bandwidth()
+  cb = copy_bandwidth(args.copy_mib)
   copy_gbs = max(v for k, v in cb.items() if isinstance(v, float))
   print(f"copy bandwidth: {cb} -> using {copy_gbs:.0f} GB/s", flush=True)
   result = dict(device=dev.device_kind, copy=cb, copy_gbs=copy_gbs,
