@@ -78,7 +78,8 @@ def resolve_data(cfg, model_cfg):
 class Trainer:
   """Owns mesh, state, data, checkpoints and logs for one run."""
 
-  def __init__(self, cfg, model_cfg, workdir: str, data_dir: str):
+  def __init__(self, cfg, model_cfg, workdir: str, data_dir: str,
+               devices=None):
     import jax
     from mhar_jax import checkpoint, parallel, training
     from mhar_jax.config import mesh_shape
@@ -86,8 +87,9 @@ class Trainer:
 
     self.cfg, self.model_cfg, self.workdir = cfg, model_cfg, workdir
     self.data_dir = data_dir
-    data, model = mesh_shape(cfg, jax.device_count())
-    self.mesh = parallel.make_mesh(data, model)
+    devices = devices if devices is not None else jax.devices()
+    data, model = mesh_shape(cfg, len(devices))
+    self.mesh = parallel.make_mesh(data, model, devices)
     self.tx = training.make_optimizer(cfg.train)
     self.gdef = training.graphdef(model_cfg)
     self.state_sh = training.state_shardings_for(model_cfg, self.tx, self.mesh)
@@ -108,7 +110,7 @@ class Trainer:
     self.flops_per_token = training.flops_per_token(model_cfg,
                                                     cfg.train.seq_len)
     peak = training.peak_flops(jax.devices()[0])
-    self.peak = peak * jax.device_count() if peak else None
+    self.peak = peak * len(devices) if peak else None
     self.fingerprint = {"model": dataclasses.asdict(model_cfg)}
     for k in ("routing_impl", "attention_impl", "remat"):   # not architecture
       self.fingerprint["model"].pop(k)
@@ -155,7 +157,10 @@ class Trainer:
 
   # -- the loop -------------------------------------------------------------------
 
-  def run(self) -> dict:
+  def run(self, until: int | None = None) -> dict:
+    """Trains to ``train.steps`` (or stops after step ``until``), resuming
+    from the newest good checkpoint; returns the last eval, the logged train
+    losses and the final state."""
     import jax
     import numpy as np
     from mhar_jax import checkpoint, training
@@ -195,12 +200,13 @@ class Trainer:
 
     step = start
     try:
-      while step < t.steps:
+      end = min(t.steps, until or t.steps)
+      while step < end:
         batch = self.global_batch(next(it))
         state, metrics = self.train_step(state, batch)
         step += 1
         pending.append(metrics)
-        last = step == t.steps
+        last = step == end
         if step % cfg.log.every == 0 or last:
           m = jax.device_get(pending)
           pending = []
@@ -334,30 +340,32 @@ def main(argv):
                                f"{FLAGS.dry_run_devices}")
   import jax
   from mhar_jax import distributed
-  from mhar_jax.checkpoint import check_writable
-  from mhar_jax.config import validate
+  from mhar_jax.checkpoint import CheckpointError, check_writable
+  from mhar_jax.config import model_config, validate
 
   cfg = _CONFIG.value
-  # Configuration errors first: nothing is started or loaded before this.
-  from mhar_jax.config import model_config
-  model_config(cfg)
-  if not FLAGS.dry_run:
-    distributed.initialize(coordinator_address=FLAGS.coordinator_address,
-                           num_processes=FLAGS.num_processes,
-                           process_id=FLAGS.process_id,
-                           heartbeat_timeout=FLAGS.heartbeat_timeout)
-  model_cfg = validate(cfg, num_devices=jax.device_count(),
-                       process_count=jax.process_count())
+  try:
+    # Configuration errors first: nothing is started or loaded before this.
+    model_config(cfg)
+    if not FLAGS.dry_run:
+      distributed.initialize(coordinator_address=FLAGS.coordinator_address,
+                             num_processes=FLAGS.num_processes,
+                             process_id=FLAGS.process_id,
+                             heartbeat_timeout=FLAGS.heartbeat_timeout)
+    model_cfg = validate(cfg, num_devices=jax.device_count(),
+                         process_count=jax.process_count())
+    workdir = FLAGS.workdir or default_workdir(
+        config_flags.get_config_filename(FLAGS["config"]))
+    if not FLAGS.dry_run:
+      check_writable(workdir)
+      data_dir = resolve_data(cfg, model_cfg)
+  except (ValueError, CheckpointError) as e:
+    sys.exit(f"mhar_jax.train: {e}")
   if FLAGS.dry_run:
     dry_run(cfg, model_cfg)
     return
-  workdir = FLAGS.workdir
-  if not workdir:
-    workdir = default_workdir(
-        config_flags.get_config_filename(FLAGS["config"]))
+  if not FLAGS.workdir:
     say(f"no --workdir given: writing to {os.path.abspath(workdir)}")
-  check_writable(workdir)
-  data_dir = resolve_data(cfg, model_cfg)
   trainer = Trainer(cfg, model_cfg, workdir, data_dir)
   trainer.run()
   say(f"done; checkpoints and TensorBoard events in {os.path.abspath(workdir)}")

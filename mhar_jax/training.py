@@ -195,7 +195,7 @@ def make_train_step(gdef: nnx.GraphDef, tx, t: ml_collections.ConfigDict,
                                                _microbatches(batch, accum))
         grads, loss, ce, z = jax.tree.map(lambda x: x / accum,
                                           (grads, loss, ce, z))
-      grad_norm = optax.global_norm(grads)
+      grad_norm = optax.tree.norm(grads)
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
       def apply(_):
