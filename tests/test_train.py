@@ -164,7 +164,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
   assert steps and 0 < max(steps) < 100000
 
 
-MULTI_FLAGS = TINY_FLAGS + ["--config.train.steps=6", "--config.train.global_batch=8",
+MULTI_FLAGS = TINY_FLAGS + ["--config.train.steps=6", "--config.train.warmup_steps=2", "--config.train.global_batch=8",
                             "--config.eval.every=1000", "--config.checkpoint.every=1000"]
 
 
