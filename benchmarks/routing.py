@@ -24,7 +24,7 @@ Byte counts, with E = N * D * itemsize, L = ceil(S / CHUNK) launches:
 Usage (on the device machine, after ``source benchmarks/gpu_env.sh``)::
 
     python3 benchmarks/routing.py                 # default sizes, table last
-    python3 benchmarks/routing.py --sweep         # also sweep tile configs
+    python3 benchmarks/routing.py --sweep         # sweep configs, keep best
     python3 benchmarks/routing.py --json $OUT/routing.json
 """
 
@@ -190,47 +190,74 @@ def bench_size(tr, n, s, d, h, dtype, copy_gbs, *, with_ref=True,
   return rows
 
 
-def sweep(tr, n, s, d, h, dtype, copy_gbs):
-  """Times forward and fwd+bwd over a few tile configurations."""
+def _time_config(tr, what, over, srcs, q, g, dy, h, e, n, d, s, copy_gbs):
+  tr.TUNING.update(over)
+  try:
+    f, fb = fns(lambda *a, **k: tr.route(*a, **k), h)
+    carry = 8 * n * d * (math.ceil(s / tr.CHUNK) - 1)
+    if what == "fwd":
+      ms, first, _ = _median_ms(f, (srcs, q, g), reps=7)
+      moved = (s + 1) * e + carry
+    else:
+      ms, first, _ = _median_ms(fb, (srcs, q, g, dy), reps=7)
+      moved = (s + 1) * e + carry + (3 * s + 2) * e
+    gbs = moved / (ms * 1e-3) / 1e9
+    rec = dict(what=what, over=over, ms=ms, compile_s=first, gbs_moved=gbs,
+               pct_copy=100 * gbs / copy_gbs)
+    print(f"  sweep {what:3s} {over}: {ms:.3f} ms, {gbs:.0f} GB/s moved = "
+          f"{rec['pct_copy']:.1f}% copy (compile {first:.1f} s)", flush=True)
+  except Exception as ex:  # noqa: BLE001
+    rec = dict(what=what, over=over, error=repr(ex)[:300])
+    print(f"  sweep {what} {over}: ERROR {rec['error']}", flush=True)
+  return rec
+
+
+def sweep(tr, n, s, d, h, dtype, copy_gbs, apply_best=True):
+  """Times the forward, then fwd+bwd, over tile/prefetch configurations.
+
+  The forward's best (also used for the backward's c-pass, a similar
+  streaming kernel) is kept while the backward is swept; with
+  ``apply_best`` the best of each is left in ``tr.TUNING``.
+  """
   base = dict(tr.TUNING)
-  base_chunk = tr.CHUNK
   srcs, q, g, dy = make_inputs(n, s, d, dtype, seed=7)
   e = n * d * jnp.dtype(dtype).itemsize
   out = []
-  configs = []
-  for ept, w in [(16, 4), (32, 4), (32, 8), (64, 8), (16, 8)]:
-    configs.append(("fwd", dict(fwd_elems_per_thread=ept, fwd_warps=w), None))
-  configs.append(("fwd", {}, 32))
-  for ept, w, pps in [(8, 4, 4), (16, 4, 4), (16, 8, 2), (16, 8, 4),
-                      (32, 8, 4), (16, 8, 8)]:
-    configs.append(("fb", dict(bwd_elems_per_thread=ept, bwd_warps=w,
-                               bwd_programs_per_sm=pps,
-                               cpass_elems_per_thread=2 * ept,
-                               cpass_warps=w), None))
-  for what, over, chunk in configs:
-    tr.TUNING = {**base, **over}
-    tr.CHUNK = chunk or base_chunk
-    try:
-      f, fb = fns(lambda *a, **k: tr.route(*a, **k), h)
-      if what == "fwd":
-        ms, first, _ = _median_ms(f, (srcs, q, g), reps=7)
-        moved = (s + 1) * e + 8 * n * d * (math.ceil(s / tr.CHUNK) - 1)
-      else:
-        ms, first, _ = _median_ms(fb, (srcs, q, g, dy), reps=7)
-        moved = (s + 1) * e + 8 * n * d * (
-            math.ceil(s / tr.CHUNK) - 1) + (3 * s + 2) * e
-      gbs = moved / (ms * 1e-3) / 1e9
-      rec = dict(what=what, over=over, chunk=tr.CHUNK, ms=ms, compile_s=first,
-                 gbs_moved=gbs, pct_copy=100 * gbs / copy_gbs)
-      print(f"  sweep {what:3s} chunk={tr.CHUNK:2d} {over}: {ms:.3f} ms, "
-            f"{gbs:.0f} GB/s moved = {rec['pct_copy']:.1f}% copy "
-            f"(compile {first:.1f} s)", flush=True)
-    except Exception as ex:  # noqa: BLE001
-      rec = dict(what=what, over=over, chunk=tr.CHUNK, error=repr(ex)[:300])
-      print(f"  sweep {what} {over}: ERROR {rec['error']}", flush=True)
+  fwd_cfgs = [dict(fwd_elems_per_thread=ept, fwd_warps=w, fwd_prefetch=pf)
+              for ept, w, pf in [(16, 4, 1), (16, 4, 2), (16, 4, 3),
+                                 (16, 4, 4), (16, 8, 3), (32, 4, 2)]]
+  best = None
+  for over in fwd_cfgs:
+    tr.TUNING = dict(base)
+    rec = _time_config(tr, "fwd", over, srcs, q, g, dy, h, e, n, d, s,
+                       copy_gbs)
     out.append(rec)
-  tr.TUNING = base
-  tr.CHUNK = base_chunk
+    if "ms" in rec and (best is None or rec["ms"] < best["ms"]):
+      best = rec
+  fwd_best = dict(base)
+  if best:
+    o = best["over"]
+    fwd_best.update(o, cpass_elems_per_thread=o["fwd_elems_per_thread"],
+                    cpass_warps=o["fwd_warps"],
+                    cpass_prefetch=o["fwd_prefetch"])
+  bwd_cfgs = [dict(bwd_elems_per_thread=ept, bwd_warps=w, bwd_prefetch=pf,
+                   bwd_programs_per_sm=pps)
+              for ept, w, pf, pps in [(16, 4, 1, 4), (16, 4, 2, 4),
+                                      (16, 4, 3, 4), (16, 4, 2, 8),
+                                      (16, 8, 2, 2), (8, 2, 2, 8)]]
+  best = None
+  for over in bwd_cfgs:
+    tr.TUNING = dict(fwd_best)
+    rec = _time_config(tr, "fb", over, srcs, q, g, dy, h, e, n, d, s,
+                       copy_gbs)
+    out.append(rec)
+    if "ms" in rec and (best is None or rec["ms"] < best["ms"]):
+      best = rec
+  final = dict(fwd_best)
+  if best:
+    final.update(best["over"])
+  tr.TUNING = final if apply_best else base
+  print(f"  sweep -> TUNING = {tr.TUNING}", flush=True)
   return out
 
 
@@ -270,6 +297,7 @@ def main():
     n, s = map(int, args.sweep_size.split("x"))
     print(f"sweep at N={n} S={s}:", flush=True)
     result["sweep"] = sweep(tr, n, s, args.d, args.h, dtype, copy_gbs)
+    result["tuning"] = dict(tr.TUNING)
   sizes = DEFAULT_SIZES if not args.sizes else [
       tuple(map(int, x.split("x"))) for x in args.sizes.split(",")]
   for n, s in sizes:

@@ -30,6 +30,12 @@ chunks of at most ``CHUNK`` per launch.
 head's channels lie along the last axis and per-head sums are one reduction.
 Masked lanes never touch memory, so padding costs registers, not bytes.
 
+*Prefetch.* Each source step ends in cross-warp reductions (the sum of
+squares spans all heads), which the compiler does not move loads across, so
+the unrolled code explicitly issues the load of source ``k + PF`` before
+reducing source ``k`` (``PF`` constexpr, 1..4): PF + 1 tiles in flight per
+program instead of one.
+
 *Forward* (``_fwd_kernel``): one pass over the sources per token tile with an
 online softmax per head: ``r``, ``u``, the logit, a running max ``m``, running
 sum ``l`` and an fp32 accumulator ``acc``. With more than ``CHUNK`` sources,
@@ -89,18 +95,20 @@ import triton.language as tl
 
 from mhar_jax.kernels import reference
 
-MAX_SOURCES_PER_LAUNCH = 32
+MAX_SOURCES_PER_LAUNCH = 16
 # Sources per launch (<= MAX_SOURCES_PER_LAUNCH). Larger means fewer fp32
 # carries of the forward accumulator (8 bytes per element per extra launch) but
 # longer kernels to compile.
 CHUNK = 16
 
 # Tuning knobs: tokens per program are chosen so that each thread holds about
-# this many fp32 elements of one [BN, HP, CP] tile; None picks the defaults.
+# `*_elems_per_thread` fp32 elements of one [BN, HP, CP] tile.
+# `*_prefetch` (1..4): source tiles loaded ahead of the one being reduced.
 TUNING: dict = {
-    "fwd_elems_per_thread": 32, "fwd_warps": 8,
-    "cpass_elems_per_thread": 32, "cpass_warps": 8,
-    "bwd_elems_per_thread": 16, "bwd_warps": 8, "bwd_programs_per_sm": 4,
+    "fwd_elems_per_thread": 16, "fwd_warps": 4, "fwd_prefetch": 3,
+    "cpass_elems_per_thread": 16, "cpass_warps": 4, "cpass_prefetch": 3,
+    "bwd_elems_per_thread": 16, "bwd_warps": 4, "bwd_programs_per_sm": 4,
+    "bwd_prefetch": 2,
 }
 
 # Debug: fill every output buffer with NaN before the kernel writes it (the
@@ -145,10 +153,15 @@ def _rows(tile, N, col, cmask, D: tl.constexpr, H: tl.constexpr,
 
 
 @triton.jit
-def _load_logits(src, base, off, mask, t, D: tl.constexpr,
-                 EPS: tl.constexpr):
-  """Loads one source tile (fp32) and returns ``(x, r [BN], u, logit [BN, HP])``."""
-  x = tl.load(src + base + off, mask=mask, other=0.0).to(tl.float32)
+def _load(src, base, off, mask):
+  """One source tile ``[BN, HP, CP]`` in the source's dtype (issued early)."""
+  return tl.load(src + base + off, mask=mask, other=0.0)
+
+
+@triton.jit
+def _logits(xs, t, D: tl.constexpr, EPS: tl.constexpr):
+  """From a loaded tile: ``(x fp32, r [BN], u [BN, HP], logit [BN, HP])``."""
+  x = xs.to(tl.float32)
   ss = tl.sum(tl.sum(x * x, axis=2), axis=1)
   r = tl.rsqrt(ss / D + EPS)
   u = tl.sum(x * t[None, :, :], axis=2)
@@ -156,10 +169,9 @@ def _load_logits(src, base, off, mask, t, D: tl.constexpr,
 
 
 @triton.jit
-def _fwd_step(src, base, off, mask, t, m, l, acc, D: tl.constexpr,
-              EPS: tl.constexpr):
+def _fwd_step(xs, t, m, l, acc, D: tl.constexpr, EPS: tl.constexpr):
   """One source of the online softmax: updates ``(m, l, acc)``."""
-  x, r, u, logit = _load_logits(src, base, off, mask, t, D, EPS)
+  x, r, u, logit = _logits(xs, t, D, EPS)
   m_new = tl.maximum(m, logit)
   alpha = tl.exp(m - m_new)
   p = tl.exp(logit - m_new)
@@ -173,15 +185,13 @@ def _fwd_kernel(
     # <gen:FWD_SRC_PARAMS>
     s0, s1, s2, s3, s4, s5, s6, s7,
     s8, s9, s10, s11, s12, s13, s14, s15,
-    s16, s17, s18, s19, s20, s21, s22, s23,
-    s24, s25, s26, s27, s28, s29, s30, s31,
     # </gen:FWD_SRC_PARAMS>
     t_ptr, m_in, l_in, acc_in,
     i_out, i_lse, i_m, i_l, i_acc,
     N,
     out_ptr, lse_ptr, m_out, l_out, acc_out,
     NSRC: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
-    D: tl.constexpr, H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
+    PF: tl.constexpr, D: tl.constexpr, H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
     CP: tl.constexpr, BN: tl.constexpr, EPS: tl.constexpr):
   """Forward over NSRC sources for BN tokens (grid: cdiv(N, BN)).
 
@@ -206,70 +216,212 @@ def _fwd_kernel(
     l = tl.load(l_in + hbase + hoff, mask=hmask, other=1.0)
     acc = tl.load(acc_in + base + off, mask=mask, other=0.0)
   # <gen:FWD_STEPS>
+  if PF > 0:
+    if NSRC > 0:
+      x0 = _load(s0, base, off, mask)
+  if PF > 1:
+    if NSRC > 1:
+      x1 = _load(s1, base, off, mask)
+  if PF > 2:
+    if NSRC > 2:
+      x2 = _load(s2, base, off, mask)
+  if PF > 3:
+    if NSRC > 3:
+      x3 = _load(s3, base, off, mask)
   if NSRC > 0:
-    m, l, acc = _fwd_step(s0, base, off, mask, t, m, l, acc, D, EPS)
+    if PF == 1:
+      if NSRC > 1:
+        x1 = _load(s1, base, off, mask)
+    if PF == 2:
+      if NSRC > 2:
+        x2 = _load(s2, base, off, mask)
+    if PF == 3:
+      if NSRC > 3:
+        x3 = _load(s3, base, off, mask)
+    if PF == 4:
+      if NSRC > 4:
+        x4 = _load(s4, base, off, mask)
+    m, l, acc = _fwd_step(x0, t, m, l, acc, D, EPS)
   if NSRC > 1:
-    m, l, acc = _fwd_step(s1, base, off, mask, t, m, l, acc, D, EPS)
+    if PF == 1:
+      if NSRC > 2:
+        x2 = _load(s2, base, off, mask)
+    if PF == 2:
+      if NSRC > 3:
+        x3 = _load(s3, base, off, mask)
+    if PF == 3:
+      if NSRC > 4:
+        x4 = _load(s4, base, off, mask)
+    if PF == 4:
+      if NSRC > 5:
+        x5 = _load(s5, base, off, mask)
+    m, l, acc = _fwd_step(x1, t, m, l, acc, D, EPS)
   if NSRC > 2:
-    m, l, acc = _fwd_step(s2, base, off, mask, t, m, l, acc, D, EPS)
+    if PF == 1:
+      if NSRC > 3:
+        x3 = _load(s3, base, off, mask)
+    if PF == 2:
+      if NSRC > 4:
+        x4 = _load(s4, base, off, mask)
+    if PF == 3:
+      if NSRC > 5:
+        x5 = _load(s5, base, off, mask)
+    if PF == 4:
+      if NSRC > 6:
+        x6 = _load(s6, base, off, mask)
+    m, l, acc = _fwd_step(x2, t, m, l, acc, D, EPS)
   if NSRC > 3:
-    m, l, acc = _fwd_step(s3, base, off, mask, t, m, l, acc, D, EPS)
+    if PF == 1:
+      if NSRC > 4:
+        x4 = _load(s4, base, off, mask)
+    if PF == 2:
+      if NSRC > 5:
+        x5 = _load(s5, base, off, mask)
+    if PF == 3:
+      if NSRC > 6:
+        x6 = _load(s6, base, off, mask)
+    if PF == 4:
+      if NSRC > 7:
+        x7 = _load(s7, base, off, mask)
+    m, l, acc = _fwd_step(x3, t, m, l, acc, D, EPS)
   if NSRC > 4:
-    m, l, acc = _fwd_step(s4, base, off, mask, t, m, l, acc, D, EPS)
+    if PF == 1:
+      if NSRC > 5:
+        x5 = _load(s5, base, off, mask)
+    if PF == 2:
+      if NSRC > 6:
+        x6 = _load(s6, base, off, mask)
+    if PF == 3:
+      if NSRC > 7:
+        x7 = _load(s7, base, off, mask)
+    if PF == 4:
+      if NSRC > 8:
+        x8 = _load(s8, base, off, mask)
+    m, l, acc = _fwd_step(x4, t, m, l, acc, D, EPS)
   if NSRC > 5:
-    m, l, acc = _fwd_step(s5, base, off, mask, t, m, l, acc, D, EPS)
+    if PF == 1:
+      if NSRC > 6:
+        x6 = _load(s6, base, off, mask)
+    if PF == 2:
+      if NSRC > 7:
+        x7 = _load(s7, base, off, mask)
+    if PF == 3:
+      if NSRC > 8:
+        x8 = _load(s8, base, off, mask)
+    if PF == 4:
+      if NSRC > 9:
+        x9 = _load(s9, base, off, mask)
+    m, l, acc = _fwd_step(x5, t, m, l, acc, D, EPS)
   if NSRC > 6:
-    m, l, acc = _fwd_step(s6, base, off, mask, t, m, l, acc, D, EPS)
+    if PF == 1:
+      if NSRC > 7:
+        x7 = _load(s7, base, off, mask)
+    if PF == 2:
+      if NSRC > 8:
+        x8 = _load(s8, base, off, mask)
+    if PF == 3:
+      if NSRC > 9:
+        x9 = _load(s9, base, off, mask)
+    if PF == 4:
+      if NSRC > 10:
+        x10 = _load(s10, base, off, mask)
+    m, l, acc = _fwd_step(x6, t, m, l, acc, D, EPS)
   if NSRC > 7:
-    m, l, acc = _fwd_step(s7, base, off, mask, t, m, l, acc, D, EPS)
+    if PF == 1:
+      if NSRC > 8:
+        x8 = _load(s8, base, off, mask)
+    if PF == 2:
+      if NSRC > 9:
+        x9 = _load(s9, base, off, mask)
+    if PF == 3:
+      if NSRC > 10:
+        x10 = _load(s10, base, off, mask)
+    if PF == 4:
+      if NSRC > 11:
+        x11 = _load(s11, base, off, mask)
+    m, l, acc = _fwd_step(x7, t, m, l, acc, D, EPS)
   if NSRC > 8:
-    m, l, acc = _fwd_step(s8, base, off, mask, t, m, l, acc, D, EPS)
+    if PF == 1:
+      if NSRC > 9:
+        x9 = _load(s9, base, off, mask)
+    if PF == 2:
+      if NSRC > 10:
+        x10 = _load(s10, base, off, mask)
+    if PF == 3:
+      if NSRC > 11:
+        x11 = _load(s11, base, off, mask)
+    if PF == 4:
+      if NSRC > 12:
+        x12 = _load(s12, base, off, mask)
+    m, l, acc = _fwd_step(x8, t, m, l, acc, D, EPS)
   if NSRC > 9:
-    m, l, acc = _fwd_step(s9, base, off, mask, t, m, l, acc, D, EPS)
+    if PF == 1:
+      if NSRC > 10:
+        x10 = _load(s10, base, off, mask)
+    if PF == 2:
+      if NSRC > 11:
+        x11 = _load(s11, base, off, mask)
+    if PF == 3:
+      if NSRC > 12:
+        x12 = _load(s12, base, off, mask)
+    if PF == 4:
+      if NSRC > 13:
+        x13 = _load(s13, base, off, mask)
+    m, l, acc = _fwd_step(x9, t, m, l, acc, D, EPS)
   if NSRC > 10:
-    m, l, acc = _fwd_step(s10, base, off, mask, t, m, l, acc, D, EPS)
+    if PF == 1:
+      if NSRC > 11:
+        x11 = _load(s11, base, off, mask)
+    if PF == 2:
+      if NSRC > 12:
+        x12 = _load(s12, base, off, mask)
+    if PF == 3:
+      if NSRC > 13:
+        x13 = _load(s13, base, off, mask)
+    if PF == 4:
+      if NSRC > 14:
+        x14 = _load(s14, base, off, mask)
+    m, l, acc = _fwd_step(x10, t, m, l, acc, D, EPS)
   if NSRC > 11:
-    m, l, acc = _fwd_step(s11, base, off, mask, t, m, l, acc, D, EPS)
+    if PF == 1:
+      if NSRC > 12:
+        x12 = _load(s12, base, off, mask)
+    if PF == 2:
+      if NSRC > 13:
+        x13 = _load(s13, base, off, mask)
+    if PF == 3:
+      if NSRC > 14:
+        x14 = _load(s14, base, off, mask)
+    if PF == 4:
+      if NSRC > 15:
+        x15 = _load(s15, base, off, mask)
+    m, l, acc = _fwd_step(x11, t, m, l, acc, D, EPS)
   if NSRC > 12:
-    m, l, acc = _fwd_step(s12, base, off, mask, t, m, l, acc, D, EPS)
+    if PF == 1:
+      if NSRC > 13:
+        x13 = _load(s13, base, off, mask)
+    if PF == 2:
+      if NSRC > 14:
+        x14 = _load(s14, base, off, mask)
+    if PF == 3:
+      if NSRC > 15:
+        x15 = _load(s15, base, off, mask)
+    m, l, acc = _fwd_step(x12, t, m, l, acc, D, EPS)
   if NSRC > 13:
-    m, l, acc = _fwd_step(s13, base, off, mask, t, m, l, acc, D, EPS)
+    if PF == 1:
+      if NSRC > 14:
+        x14 = _load(s14, base, off, mask)
+    if PF == 2:
+      if NSRC > 15:
+        x15 = _load(s15, base, off, mask)
+    m, l, acc = _fwd_step(x13, t, m, l, acc, D, EPS)
   if NSRC > 14:
-    m, l, acc = _fwd_step(s14, base, off, mask, t, m, l, acc, D, EPS)
+    if PF == 1:
+      if NSRC > 15:
+        x15 = _load(s15, base, off, mask)
+    m, l, acc = _fwd_step(x14, t, m, l, acc, D, EPS)
   if NSRC > 15:
-    m, l, acc = _fwd_step(s15, base, off, mask, t, m, l, acc, D, EPS)
-  if NSRC > 16:
-    m, l, acc = _fwd_step(s16, base, off, mask, t, m, l, acc, D, EPS)
-  if NSRC > 17:
-    m, l, acc = _fwd_step(s17, base, off, mask, t, m, l, acc, D, EPS)
-  if NSRC > 18:
-    m, l, acc = _fwd_step(s18, base, off, mask, t, m, l, acc, D, EPS)
-  if NSRC > 19:
-    m, l, acc = _fwd_step(s19, base, off, mask, t, m, l, acc, D, EPS)
-  if NSRC > 20:
-    m, l, acc = _fwd_step(s20, base, off, mask, t, m, l, acc, D, EPS)
-  if NSRC > 21:
-    m, l, acc = _fwd_step(s21, base, off, mask, t, m, l, acc, D, EPS)
-  if NSRC > 22:
-    m, l, acc = _fwd_step(s22, base, off, mask, t, m, l, acc, D, EPS)
-  if NSRC > 23:
-    m, l, acc = _fwd_step(s23, base, off, mask, t, m, l, acc, D, EPS)
-  if NSRC > 24:
-    m, l, acc = _fwd_step(s24, base, off, mask, t, m, l, acc, D, EPS)
-  if NSRC > 25:
-    m, l, acc = _fwd_step(s25, base, off, mask, t, m, l, acc, D, EPS)
-  if NSRC > 26:
-    m, l, acc = _fwd_step(s26, base, off, mask, t, m, l, acc, D, EPS)
-  if NSRC > 27:
-    m, l, acc = _fwd_step(s27, base, off, mask, t, m, l, acc, D, EPS)
-  if NSRC > 28:
-    m, l, acc = _fwd_step(s28, base, off, mask, t, m, l, acc, D, EPS)
-  if NSRC > 29:
-    m, l, acc = _fwd_step(s29, base, off, mask, t, m, l, acc, D, EPS)
-  if NSRC > 30:
-    m, l, acc = _fwd_step(s30, base, off, mask, t, m, l, acc, D, EPS)
-  if NSRC > 31:
-    m, l, acc = _fwd_step(s31, base, off, mask, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(x15, t, m, l, acc, D, EPS)
   # </gen:FWD_STEPS>
   if LAST:
     out = acc / l[:, :, None]
@@ -283,10 +435,9 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _cpass_step(src, base, off, mask, t, g, lse, c, D: tl.constexpr,
-                EPS: tl.constexpr):
+def _cpass_step(xs, t, g, lse, c, D: tl.constexpr, EPS: tl.constexpr):
   """``c += w_i * <g, s_i>`` per head."""
-  x, r, u, logit = _load_logits(src, base, off, mask, t, D, EPS)
+  x, r, u, logit = _logits(xs, t, D, EPS)
   w = tl.exp(logit - lse)
   return c + w * tl.sum(g * x, axis=2)
 
@@ -296,14 +447,12 @@ def _cpass_kernel(
     # <gen:CPASS_SRC_PARAMS>
     s0, s1, s2, s3, s4, s5, s6, s7,
     s8, s9, s10, s11, s12, s13, s14, s15,
-    s16, s17, s18, s19, s20, s21, s22, s23,
-    s24, s25, s26, s27, s28, s29, s30, s31,
     # </gen:CPASS_SRC_PARAMS>
     g_ptr, t_ptr, lse_ptr, c_in,
     i_c,
     N,
     c_out,
-    NSRC: tl.constexpr, FIRST: tl.constexpr,
+    NSRC: tl.constexpr, FIRST: tl.constexpr, PF: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
     CP: tl.constexpr, BN: tl.constexpr, EPS: tl.constexpr):
   """Backward pass 1 (grid: cdiv(N, BN)): ``c = sum_i w_i <g, s_i>_h``.
@@ -324,79 +473,221 @@ def _cpass_kernel(
   else:
     c = tl.load(c_in + hbase + hoff, mask=hmask, other=0.0)
   # <gen:CPASS_STEPS>
+  if PF > 0:
+    if NSRC > 0:
+      x0 = _load(s0, base, off, mask)
+  if PF > 1:
+    if NSRC > 1:
+      x1 = _load(s1, base, off, mask)
+  if PF > 2:
+    if NSRC > 2:
+      x2 = _load(s2, base, off, mask)
+  if PF > 3:
+    if NSRC > 3:
+      x3 = _load(s3, base, off, mask)
   if NSRC > 0:
-    c = _cpass_step(s0, base, off, mask, t, g, lse, c, D, EPS)
+    if PF == 1:
+      if NSRC > 1:
+        x1 = _load(s1, base, off, mask)
+    if PF == 2:
+      if NSRC > 2:
+        x2 = _load(s2, base, off, mask)
+    if PF == 3:
+      if NSRC > 3:
+        x3 = _load(s3, base, off, mask)
+    if PF == 4:
+      if NSRC > 4:
+        x4 = _load(s4, base, off, mask)
+    c = _cpass_step(x0, t, g, lse, c, D, EPS)
   if NSRC > 1:
-    c = _cpass_step(s1, base, off, mask, t, g, lse, c, D, EPS)
+    if PF == 1:
+      if NSRC > 2:
+        x2 = _load(s2, base, off, mask)
+    if PF == 2:
+      if NSRC > 3:
+        x3 = _load(s3, base, off, mask)
+    if PF == 3:
+      if NSRC > 4:
+        x4 = _load(s4, base, off, mask)
+    if PF == 4:
+      if NSRC > 5:
+        x5 = _load(s5, base, off, mask)
+    c = _cpass_step(x1, t, g, lse, c, D, EPS)
   if NSRC > 2:
-    c = _cpass_step(s2, base, off, mask, t, g, lse, c, D, EPS)
+    if PF == 1:
+      if NSRC > 3:
+        x3 = _load(s3, base, off, mask)
+    if PF == 2:
+      if NSRC > 4:
+        x4 = _load(s4, base, off, mask)
+    if PF == 3:
+      if NSRC > 5:
+        x5 = _load(s5, base, off, mask)
+    if PF == 4:
+      if NSRC > 6:
+        x6 = _load(s6, base, off, mask)
+    c = _cpass_step(x2, t, g, lse, c, D, EPS)
   if NSRC > 3:
-    c = _cpass_step(s3, base, off, mask, t, g, lse, c, D, EPS)
+    if PF == 1:
+      if NSRC > 4:
+        x4 = _load(s4, base, off, mask)
+    if PF == 2:
+      if NSRC > 5:
+        x5 = _load(s5, base, off, mask)
+    if PF == 3:
+      if NSRC > 6:
+        x6 = _load(s6, base, off, mask)
+    if PF == 4:
+      if NSRC > 7:
+        x7 = _load(s7, base, off, mask)
+    c = _cpass_step(x3, t, g, lse, c, D, EPS)
   if NSRC > 4:
-    c = _cpass_step(s4, base, off, mask, t, g, lse, c, D, EPS)
+    if PF == 1:
+      if NSRC > 5:
+        x5 = _load(s5, base, off, mask)
+    if PF == 2:
+      if NSRC > 6:
+        x6 = _load(s6, base, off, mask)
+    if PF == 3:
+      if NSRC > 7:
+        x7 = _load(s7, base, off, mask)
+    if PF == 4:
+      if NSRC > 8:
+        x8 = _load(s8, base, off, mask)
+    c = _cpass_step(x4, t, g, lse, c, D, EPS)
   if NSRC > 5:
-    c = _cpass_step(s5, base, off, mask, t, g, lse, c, D, EPS)
+    if PF == 1:
+      if NSRC > 6:
+        x6 = _load(s6, base, off, mask)
+    if PF == 2:
+      if NSRC > 7:
+        x7 = _load(s7, base, off, mask)
+    if PF == 3:
+      if NSRC > 8:
+        x8 = _load(s8, base, off, mask)
+    if PF == 4:
+      if NSRC > 9:
+        x9 = _load(s9, base, off, mask)
+    c = _cpass_step(x5, t, g, lse, c, D, EPS)
   if NSRC > 6:
-    c = _cpass_step(s6, base, off, mask, t, g, lse, c, D, EPS)
+    if PF == 1:
+      if NSRC > 7:
+        x7 = _load(s7, base, off, mask)
+    if PF == 2:
+      if NSRC > 8:
+        x8 = _load(s8, base, off, mask)
+    if PF == 3:
+      if NSRC > 9:
+        x9 = _load(s9, base, off, mask)
+    if PF == 4:
+      if NSRC > 10:
+        x10 = _load(s10, base, off, mask)
+    c = _cpass_step(x6, t, g, lse, c, D, EPS)
   if NSRC > 7:
-    c = _cpass_step(s7, base, off, mask, t, g, lse, c, D, EPS)
+    if PF == 1:
+      if NSRC > 8:
+        x8 = _load(s8, base, off, mask)
+    if PF == 2:
+      if NSRC > 9:
+        x9 = _load(s9, base, off, mask)
+    if PF == 3:
+      if NSRC > 10:
+        x10 = _load(s10, base, off, mask)
+    if PF == 4:
+      if NSRC > 11:
+        x11 = _load(s11, base, off, mask)
+    c = _cpass_step(x7, t, g, lse, c, D, EPS)
   if NSRC > 8:
-    c = _cpass_step(s8, base, off, mask, t, g, lse, c, D, EPS)
+    if PF == 1:
+      if NSRC > 9:
+        x9 = _load(s9, base, off, mask)
+    if PF == 2:
+      if NSRC > 10:
+        x10 = _load(s10, base, off, mask)
+    if PF == 3:
+      if NSRC > 11:
+        x11 = _load(s11, base, off, mask)
+    if PF == 4:
+      if NSRC > 12:
+        x12 = _load(s12, base, off, mask)
+    c = _cpass_step(x8, t, g, lse, c, D, EPS)
   if NSRC > 9:
-    c = _cpass_step(s9, base, off, mask, t, g, lse, c, D, EPS)
+    if PF == 1:
+      if NSRC > 10:
+        x10 = _load(s10, base, off, mask)
+    if PF == 2:
+      if NSRC > 11:
+        x11 = _load(s11, base, off, mask)
+    if PF == 3:
+      if NSRC > 12:
+        x12 = _load(s12, base, off, mask)
+    if PF == 4:
+      if NSRC > 13:
+        x13 = _load(s13, base, off, mask)
+    c = _cpass_step(x9, t, g, lse, c, D, EPS)
   if NSRC > 10:
-    c = _cpass_step(s10, base, off, mask, t, g, lse, c, D, EPS)
+    if PF == 1:
+      if NSRC > 11:
+        x11 = _load(s11, base, off, mask)
+    if PF == 2:
+      if NSRC > 12:
+        x12 = _load(s12, base, off, mask)
+    if PF == 3:
+      if NSRC > 13:
+        x13 = _load(s13, base, off, mask)
+    if PF == 4:
+      if NSRC > 14:
+        x14 = _load(s14, base, off, mask)
+    c = _cpass_step(x10, t, g, lse, c, D, EPS)
   if NSRC > 11:
-    c = _cpass_step(s11, base, off, mask, t, g, lse, c, D, EPS)
+    if PF == 1:
+      if NSRC > 12:
+        x12 = _load(s12, base, off, mask)
+    if PF == 2:
+      if NSRC > 13:
+        x13 = _load(s13, base, off, mask)
+    if PF == 3:
+      if NSRC > 14:
+        x14 = _load(s14, base, off, mask)
+    if PF == 4:
+      if NSRC > 15:
+        x15 = _load(s15, base, off, mask)
+    c = _cpass_step(x11, t, g, lse, c, D, EPS)
   if NSRC > 12:
-    c = _cpass_step(s12, base, off, mask, t, g, lse, c, D, EPS)
+    if PF == 1:
+      if NSRC > 13:
+        x13 = _load(s13, base, off, mask)
+    if PF == 2:
+      if NSRC > 14:
+        x14 = _load(s14, base, off, mask)
+    if PF == 3:
+      if NSRC > 15:
+        x15 = _load(s15, base, off, mask)
+    c = _cpass_step(x12, t, g, lse, c, D, EPS)
   if NSRC > 13:
-    c = _cpass_step(s13, base, off, mask, t, g, lse, c, D, EPS)
+    if PF == 1:
+      if NSRC > 14:
+        x14 = _load(s14, base, off, mask)
+    if PF == 2:
+      if NSRC > 15:
+        x15 = _load(s15, base, off, mask)
+    c = _cpass_step(x13, t, g, lse, c, D, EPS)
   if NSRC > 14:
-    c = _cpass_step(s14, base, off, mask, t, g, lse, c, D, EPS)
+    if PF == 1:
+      if NSRC > 15:
+        x15 = _load(s15, base, off, mask)
+    c = _cpass_step(x14, t, g, lse, c, D, EPS)
   if NSRC > 15:
-    c = _cpass_step(s15, base, off, mask, t, g, lse, c, D, EPS)
-  if NSRC > 16:
-    c = _cpass_step(s16, base, off, mask, t, g, lse, c, D, EPS)
-  if NSRC > 17:
-    c = _cpass_step(s17, base, off, mask, t, g, lse, c, D, EPS)
-  if NSRC > 18:
-    c = _cpass_step(s18, base, off, mask, t, g, lse, c, D, EPS)
-  if NSRC > 19:
-    c = _cpass_step(s19, base, off, mask, t, g, lse, c, D, EPS)
-  if NSRC > 20:
-    c = _cpass_step(s20, base, off, mask, t, g, lse, c, D, EPS)
-  if NSRC > 21:
-    c = _cpass_step(s21, base, off, mask, t, g, lse, c, D, EPS)
-  if NSRC > 22:
-    c = _cpass_step(s22, base, off, mask, t, g, lse, c, D, EPS)
-  if NSRC > 23:
-    c = _cpass_step(s23, base, off, mask, t, g, lse, c, D, EPS)
-  if NSRC > 24:
-    c = _cpass_step(s24, base, off, mask, t, g, lse, c, D, EPS)
-  if NSRC > 25:
-    c = _cpass_step(s25, base, off, mask, t, g, lse, c, D, EPS)
-  if NSRC > 26:
-    c = _cpass_step(s26, base, off, mask, t, g, lse, c, D, EPS)
-  if NSRC > 27:
-    c = _cpass_step(s27, base, off, mask, t, g, lse, c, D, EPS)
-  if NSRC > 28:
-    c = _cpass_step(s28, base, off, mask, t, g, lse, c, D, EPS)
-  if NSRC > 29:
-    c = _cpass_step(s29, base, off, mask, t, g, lse, c, D, EPS)
-  if NSRC > 30:
-    c = _cpass_step(s30, base, off, mask, t, g, lse, c, D, EPS)
-  if NSRC > 31:
-    c = _cpass_step(s31, base, off, mask, t, g, lse, c, D, EPS)
+    c = _cpass_step(x15, t, g, lse, c, D, EPS)
   # </gen:CPASS_STEPS>
   tl.store(c_out + hbase + hoff, c, mask=hmask)
 
 
 @triton.jit
-def _bwd_step(src, ds_ptr, base, off, mask, t, g, lse, c, dt,
+def _bwd_step(xs, ds_ptr, base, off, mask, t, g, lse, c, dt,
               D: tl.constexpr, EPS: tl.constexpr):
   """Writes ``ds_i`` for one tile; returns ``dt + du_i * s_i``."""
-  x, r, u, logit = _load_logits(src, base, off, mask, t, D, EPS)
+  x, r, u, logit = _logits(xs, t, D, EPS)
   w = tl.exp(logit - lse)
   dw = tl.sum(g * x, axis=2)
   dl = w * (dw - c)
@@ -414,26 +705,20 @@ def _bwd_kernel(
     # <gen:BWD_SRC_PARAMS>
     s0, s1, s2, s3, s4, s5, s6, s7,
     s8, s9, s10, s11, s12, s13, s14, s15,
-    s16, s17, s18, s19, s20, s21, s22, s23,
-    s24, s25, s26, s27, s28, s29, s30, s31,
     # </gen:BWD_SRC_PARAMS>
     g_ptr, t_ptr, lse_ptr, c_ptr,
     # <gen:BWD_INIT_PARAMS>
     i0, i1, i2, i3, i4, i5, i6, i7,
     i8, i9, i10, i11, i12, i13, i14, i15,
-    i16, i17, i18, i19, i20, i21, i22, i23,
-    i24, i25, i26, i27, i28, i29, i30, i31,
     # </gen:BWD_INIT_PARAMS>
     i_dt,
     N, NTILES,
     # <gen:BWD_OUT_PARAMS>
     ds0, ds1, ds2, ds3, ds4, ds5, ds6, ds7,
     ds8, ds9, ds10, ds11, ds12, ds13, ds14, ds15,
-    ds16, ds17, ds18, ds19, ds20, ds21, ds22, ds23,
-    ds24, ds25, ds26, ds27, ds28, ds29, ds30, ds31,
     # </gen:BWD_OUT_PARAMS>
     dt_ptr,
-    NSRC: tl.constexpr,
+    NSRC: tl.constexpr, PF: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
     CP: tl.constexpr, BN: tl.constexpr, EPS: tl.constexpr):
   """Backward pass 2 (persistent grid of P programs over cdiv(N, BN) tiles).
@@ -456,70 +741,228 @@ def _bwd_kernel(
     lse = tl.load(lse_ptr + hbase + hoff, mask=hmask, other=0.0)
     c = tl.load(c_ptr + hbase + hoff, mask=hmask, other=0.0)
     # <gen:BWD_STEPS>
+    if PF > 0:
+      if NSRC > 0:
+        x0 = _load(s0, base, off, mask)
+    if PF > 1:
+      if NSRC > 1:
+        x1 = _load(s1, base, off, mask)
+    if PF > 2:
+      if NSRC > 2:
+        x2 = _load(s2, base, off, mask)
+    if PF > 3:
+      if NSRC > 3:
+        x3 = _load(s3, base, off, mask)
     if NSRC > 0:
-      dt = _bwd_step(s0, ds0, base, off, mask, t, g, lse, c, dt, D, EPS)
+      if PF == 1:
+        if NSRC > 1:
+          x1 = _load(s1, base, off, mask)
+      if PF == 2:
+        if NSRC > 2:
+          x2 = _load(s2, base, off, mask)
+      if PF == 3:
+        if NSRC > 3:
+          x3 = _load(s3, base, off, mask)
+      if PF == 4:
+        if NSRC > 4:
+          x4 = _load(s4, base, off, mask)
+      dt = _bwd_step(x0, ds0, base, off, mask, t, g, lse, c, dt,
+                     D, EPS)
     if NSRC > 1:
-      dt = _bwd_step(s1, ds1, base, off, mask, t, g, lse, c, dt, D, EPS)
+      if PF == 1:
+        if NSRC > 2:
+          x2 = _load(s2, base, off, mask)
+      if PF == 2:
+        if NSRC > 3:
+          x3 = _load(s3, base, off, mask)
+      if PF == 3:
+        if NSRC > 4:
+          x4 = _load(s4, base, off, mask)
+      if PF == 4:
+        if NSRC > 5:
+          x5 = _load(s5, base, off, mask)
+      dt = _bwd_step(x1, ds1, base, off, mask, t, g, lse, c, dt,
+                     D, EPS)
     if NSRC > 2:
-      dt = _bwd_step(s2, ds2, base, off, mask, t, g, lse, c, dt, D, EPS)
+      if PF == 1:
+        if NSRC > 3:
+          x3 = _load(s3, base, off, mask)
+      if PF == 2:
+        if NSRC > 4:
+          x4 = _load(s4, base, off, mask)
+      if PF == 3:
+        if NSRC > 5:
+          x5 = _load(s5, base, off, mask)
+      if PF == 4:
+        if NSRC > 6:
+          x6 = _load(s6, base, off, mask)
+      dt = _bwd_step(x2, ds2, base, off, mask, t, g, lse, c, dt,
+                     D, EPS)
     if NSRC > 3:
-      dt = _bwd_step(s3, ds3, base, off, mask, t, g, lse, c, dt, D, EPS)
+      if PF == 1:
+        if NSRC > 4:
+          x4 = _load(s4, base, off, mask)
+      if PF == 2:
+        if NSRC > 5:
+          x5 = _load(s5, base, off, mask)
+      if PF == 3:
+        if NSRC > 6:
+          x6 = _load(s6, base, off, mask)
+      if PF == 4:
+        if NSRC > 7:
+          x7 = _load(s7, base, off, mask)
+      dt = _bwd_step(x3, ds3, base, off, mask, t, g, lse, c, dt,
+                     D, EPS)
     if NSRC > 4:
-      dt = _bwd_step(s4, ds4, base, off, mask, t, g, lse, c, dt, D, EPS)
+      if PF == 1:
+        if NSRC > 5:
+          x5 = _load(s5, base, off, mask)
+      if PF == 2:
+        if NSRC > 6:
+          x6 = _load(s6, base, off, mask)
+      if PF == 3:
+        if NSRC > 7:
+          x7 = _load(s7, base, off, mask)
+      if PF == 4:
+        if NSRC > 8:
+          x8 = _load(s8, base, off, mask)
+      dt = _bwd_step(x4, ds4, base, off, mask, t, g, lse, c, dt,
+                     D, EPS)
     if NSRC > 5:
-      dt = _bwd_step(s5, ds5, base, off, mask, t, g, lse, c, dt, D, EPS)
+      if PF == 1:
+        if NSRC > 6:
+          x6 = _load(s6, base, off, mask)
+      if PF == 2:
+        if NSRC > 7:
+          x7 = _load(s7, base, off, mask)
+      if PF == 3:
+        if NSRC > 8:
+          x8 = _load(s8, base, off, mask)
+      if PF == 4:
+        if NSRC > 9:
+          x9 = _load(s9, base, off, mask)
+      dt = _bwd_step(x5, ds5, base, off, mask, t, g, lse, c, dt,
+                     D, EPS)
     if NSRC > 6:
-      dt = _bwd_step(s6, ds6, base, off, mask, t, g, lse, c, dt, D, EPS)
+      if PF == 1:
+        if NSRC > 7:
+          x7 = _load(s7, base, off, mask)
+      if PF == 2:
+        if NSRC > 8:
+          x8 = _load(s8, base, off, mask)
+      if PF == 3:
+        if NSRC > 9:
+          x9 = _load(s9, base, off, mask)
+      if PF == 4:
+        if NSRC > 10:
+          x10 = _load(s10, base, off, mask)
+      dt = _bwd_step(x6, ds6, base, off, mask, t, g, lse, c, dt,
+                     D, EPS)
     if NSRC > 7:
-      dt = _bwd_step(s7, ds7, base, off, mask, t, g, lse, c, dt, D, EPS)
+      if PF == 1:
+        if NSRC > 8:
+          x8 = _load(s8, base, off, mask)
+      if PF == 2:
+        if NSRC > 9:
+          x9 = _load(s9, base, off, mask)
+      if PF == 3:
+        if NSRC > 10:
+          x10 = _load(s10, base, off, mask)
+      if PF == 4:
+        if NSRC > 11:
+          x11 = _load(s11, base, off, mask)
+      dt = _bwd_step(x7, ds7, base, off, mask, t, g, lse, c, dt,
+                     D, EPS)
     if NSRC > 8:
-      dt = _bwd_step(s8, ds8, base, off, mask, t, g, lse, c, dt, D, EPS)
+      if PF == 1:
+        if NSRC > 9:
+          x9 = _load(s9, base, off, mask)
+      if PF == 2:
+        if NSRC > 10:
+          x10 = _load(s10, base, off, mask)
+      if PF == 3:
+        if NSRC > 11:
+          x11 = _load(s11, base, off, mask)
+      if PF == 4:
+        if NSRC > 12:
+          x12 = _load(s12, base, off, mask)
+      dt = _bwd_step(x8, ds8, base, off, mask, t, g, lse, c, dt,
+                     D, EPS)
     if NSRC > 9:
-      dt = _bwd_step(s9, ds9, base, off, mask, t, g, lse, c, dt, D, EPS)
+      if PF == 1:
+        if NSRC > 10:
+          x10 = _load(s10, base, off, mask)
+      if PF == 2:
+        if NSRC > 11:
+          x11 = _load(s11, base, off, mask)
+      if PF == 3:
+        if NSRC > 12:
+          x12 = _load(s12, base, off, mask)
+      if PF == 4:
+        if NSRC > 13:
+          x13 = _load(s13, base, off, mask)
+      dt = _bwd_step(x9, ds9, base, off, mask, t, g, lse, c, dt,
+                     D, EPS)
     if NSRC > 10:
-      dt = _bwd_step(s10, ds10, base, off, mask, t, g, lse, c, dt, D, EPS)
+      if PF == 1:
+        if NSRC > 11:
+          x11 = _load(s11, base, off, mask)
+      if PF == 2:
+        if NSRC > 12:
+          x12 = _load(s12, base, off, mask)
+      if PF == 3:
+        if NSRC > 13:
+          x13 = _load(s13, base, off, mask)
+      if PF == 4:
+        if NSRC > 14:
+          x14 = _load(s14, base, off, mask)
+      dt = _bwd_step(x10, ds10, base, off, mask, t, g, lse, c, dt,
+                     D, EPS)
     if NSRC > 11:
-      dt = _bwd_step(s11, ds11, base, off, mask, t, g, lse, c, dt, D, EPS)
+      if PF == 1:
+        if NSRC > 12:
+          x12 = _load(s12, base, off, mask)
+      if PF == 2:
+        if NSRC > 13:
+          x13 = _load(s13, base, off, mask)
+      if PF == 3:
+        if NSRC > 14:
+          x14 = _load(s14, base, off, mask)
+      if PF == 4:
+        if NSRC > 15:
+          x15 = _load(s15, base, off, mask)
+      dt = _bwd_step(x11, ds11, base, off, mask, t, g, lse, c, dt,
+                     D, EPS)
     if NSRC > 12:
-      dt = _bwd_step(s12, ds12, base, off, mask, t, g, lse, c, dt, D, EPS)
+      if PF == 1:
+        if NSRC > 13:
+          x13 = _load(s13, base, off, mask)
+      if PF == 2:
+        if NSRC > 14:
+          x14 = _load(s14, base, off, mask)
+      if PF == 3:
+        if NSRC > 15:
+          x15 = _load(s15, base, off, mask)
+      dt = _bwd_step(x12, ds12, base, off, mask, t, g, lse, c, dt,
+                     D, EPS)
     if NSRC > 13:
-      dt = _bwd_step(s13, ds13, base, off, mask, t, g, lse, c, dt, D, EPS)
+      if PF == 1:
+        if NSRC > 14:
+          x14 = _load(s14, base, off, mask)
+      if PF == 2:
+        if NSRC > 15:
+          x15 = _load(s15, base, off, mask)
+      dt = _bwd_step(x13, ds13, base, off, mask, t, g, lse, c, dt,
+                     D, EPS)
     if NSRC > 14:
-      dt = _bwd_step(s14, ds14, base, off, mask, t, g, lse, c, dt, D, EPS)
+      if PF == 1:
+        if NSRC > 15:
+          x15 = _load(s15, base, off, mask)
+      dt = _bwd_step(x14, ds14, base, off, mask, t, g, lse, c, dt,
+                     D, EPS)
     if NSRC > 15:
-      dt = _bwd_step(s15, ds15, base, off, mask, t, g, lse, c, dt, D, EPS)
-    if NSRC > 16:
-      dt = _bwd_step(s16, ds16, base, off, mask, t, g, lse, c, dt, D, EPS)
-    if NSRC > 17:
-      dt = _bwd_step(s17, ds17, base, off, mask, t, g, lse, c, dt, D, EPS)
-    if NSRC > 18:
-      dt = _bwd_step(s18, ds18, base, off, mask, t, g, lse, c, dt, D, EPS)
-    if NSRC > 19:
-      dt = _bwd_step(s19, ds19, base, off, mask, t, g, lse, c, dt, D, EPS)
-    if NSRC > 20:
-      dt = _bwd_step(s20, ds20, base, off, mask, t, g, lse, c, dt, D, EPS)
-    if NSRC > 21:
-      dt = _bwd_step(s21, ds21, base, off, mask, t, g, lse, c, dt, D, EPS)
-    if NSRC > 22:
-      dt = _bwd_step(s22, ds22, base, off, mask, t, g, lse, c, dt, D, EPS)
-    if NSRC > 23:
-      dt = _bwd_step(s23, ds23, base, off, mask, t, g, lse, c, dt, D, EPS)
-    if NSRC > 24:
-      dt = _bwd_step(s24, ds24, base, off, mask, t, g, lse, c, dt, D, EPS)
-    if NSRC > 25:
-      dt = _bwd_step(s25, ds25, base, off, mask, t, g, lse, c, dt, D, EPS)
-    if NSRC > 26:
-      dt = _bwd_step(s26, ds26, base, off, mask, t, g, lse, c, dt, D, EPS)
-    if NSRC > 27:
-      dt = _bwd_step(s27, ds27, base, off, mask, t, g, lse, c, dt, D, EPS)
-    if NSRC > 28:
-      dt = _bwd_step(s28, ds28, base, off, mask, t, g, lse, c, dt, D, EPS)
-    if NSRC > 29:
-      dt = _bwd_step(s29, ds29, base, off, mask, t, g, lse, c, dt, D, EPS)
-    if NSRC > 30:
-      dt = _bwd_step(s30, ds30, base, off, mask, t, g, lse, c, dt, D, EPS)
-    if NSRC > 31:
-      dt = _bwd_step(s31, ds31, base, off, mask, t, g, lse, c, dt, D, EPS)
+      dt = _bwd_step(x15, ds15, base, off, mask, t, g, lse, c, dt,
+                     D, EPS)
     # </gen:BWD_STEPS>
   tl.store(dt_ptr + pid * D + col, tl.sum(dt, axis=0), mask=cmask)
 
@@ -544,10 +987,13 @@ class _Cfg:
   chunk: int
   fwd_bn: int
   fwd_warps: int
+  fwd_pf: int
   cpass_bn: int
   cpass_warps: int
+  cpass_pf: int
   bwd_bn: int
   bwd_warps: int
+  bwd_pf: int
   bwd_programs: int
   mesh: object = None              # AbstractMesh, or None: call directly
   batch_axes: tuple = ()           # mesh axes splitting the first leading dim
@@ -583,6 +1029,13 @@ def _num_sms() -> int:
     return 132
 
 
+def _pf(x) -> int:
+  x = int(x)
+  if not 1 <= x <= 4:
+    raise ValueError(f"prefetch depth {x} must be in 1..4")
+  return x
+
+
 def _make_cfg(d, h, eps, exact_bwd, mesh, batch_axes) -> _Cfg:
   tu = TUNING
   width = _pow2(h) * _pow2(d // h)
@@ -592,13 +1045,13 @@ def _make_cfg(d, h, eps, exact_bwd, mesh, batch_axes) -> _Cfg:
       chunk=chunk,
       fwd_bn=_tokens_per_program(width, tu["fwd_elems_per_thread"],
                                  tu["fwd_warps"]),
-      fwd_warps=tu["fwd_warps"],
+      fwd_warps=tu["fwd_warps"], fwd_pf=_pf(tu["fwd_prefetch"]),
       cpass_bn=_tokens_per_program(width, tu["cpass_elems_per_thread"],
                                    tu["cpass_warps"]),
-      cpass_warps=tu["cpass_warps"],
+      cpass_warps=tu["cpass_warps"], cpass_pf=_pf(tu["cpass_prefetch"]),
       bwd_bn=_tokens_per_program(width, tu["bwd_elems_per_thread"],
                                  tu["bwd_warps"]),
-      bwd_warps=tu["bwd_warps"],
+      bwd_warps=tu["bwd_warps"], bwd_pf=_pf(tu["bwd_prefetch"]),
       bwd_programs=max(1, _num_sms() * tu["bwd_programs_per_sm"]),
       mesh=mesh, batch_axes=tuple(batch_axes))
 
@@ -666,6 +1119,7 @@ def _fwd_local(srcs, t, cfg: _Cfg):
     res = _launch(_fwd_kernel, inputs, [n], shapes, grid=grid,
                   num_warps=cfg.fwd_warps, carry=carry, poison=cfg.poison,
                   dummy=t, NSRC=len(ch), FIRST=first, LAST=last,
+                  PF=cfg.fwd_pf,
                   **cfg.meta(bn))
     if last:
       return res[0], res[1]
@@ -687,7 +1141,8 @@ def _cpass_local(srcs, g, t, lse, cfg: _Cfg):
                    [jax.ShapeDtypeStruct((n, cfg.h), jnp.float32)],
                    grid=grid, num_warps=cfg.cpass_warps,
                    carry={} if first else {0: k + 3}, poison=cfg.poison,
-                   dummy=t, NSRC=len(ch), FIRST=first, **cfg.meta(bn))
+                   dummy=t, NSRC=len(ch), FIRST=first, PF=cfg.cpass_pf,
+                   **cfg.meta(bn))
   return c
 
 
@@ -707,7 +1162,7 @@ def _bwd_local(srcs, g, t, lse, c, cfg: _Cfg):
               + [jax.ShapeDtypeStruct((progs, d), jnp.float32)])
     res = _launch(_bwd_kernel, inputs, [n, ntiles], shapes, grid=(progs,),
                   num_warps=cfg.bwd_warps, poison=cfg.poison, dummy=t,
-                  NSRC=len(ch), **cfg.meta(bn))
+                  NSRC=len(ch), PF=cfg.bwd_pf, **cfg.meta(bn))
     ds.extend(res[:len(ch)])
     dts.append(jnp.sum(res[-1], axis=0))
   return tuple(ds), functools.reduce(jnp.add, dts)
