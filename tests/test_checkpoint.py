@@ -398,13 +398,13 @@ while step < 100000:
     step += 1
     state = update(state)
     time.sleep(0.005)
-    if step % 40 == 0:
-        ck.save(step, state, {"pos": step})
     if stopper.should_stop(step):
-        ck.save(step, state, {"pos": step}, {"stopped_by": "SIGTERM"})
+        assert ck.save(step, state, {"pos": step}, {"stopped_by": "SIGTERM"})
         ck.close()
         print("STOPPED", step, flush=True)
         sys.exit(0)
+    if step % 40 == 0:
+        ck.save(step, state, {"pos": step})
 sys.exit(3)
 """
 

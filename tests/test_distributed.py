@@ -99,6 +99,8 @@ def test_initialize_single_process_is_noop():
 WORKER = r'''
 import os, sys, time
 pid, port, ckdir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+def say(msg):  # one write per line: gloo's C++ logging shares stdout
+    os.write(1, (msg + "\n").encode())
 # Generic env-var launch (as a Kubernetes Indexed Job would set it).
 os.environ.update(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid))
 from mhar_jax import distributed
@@ -110,25 +112,25 @@ from mhar_jax.checkpoint import Checkpointer, PreemptionHandler, abstract_like
 assert info.source == "env" and info.process_count == 2 and info.process_index == pid
 assert len(info.local_devices) == 2 and len(info.global_devices) == 4
 assert jax.config.jax_cpu_collectives_implementation == "gloo"
-print(pid, "DESCRIBE", distributed.describe(), flush=True)
+say(f"{pid} DESCRIBE {distributed.describe()}")
 
 # psum over all 4 devices of both processes + process_allgather.
 mesh = jax.make_mesh((4,), ("d",))
 x = jax.make_array_from_callback((4,), NamedSharding(mesh, P("d")), lambda i: np.arange(4.0)[i] + 1)
 total = float(jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(x))
 gathered = multihost_utils.process_allgather(np.int32(100 + pid)).tolist()
-print(pid, "PSUM", total, "GATHER", gathered, flush=True)
+say(f"{pid} PSUM {total} GATHER {gathered}")
 
 # Pre-emption: SIGTERM reaches only process 1; both must stop at the same step.
 stopper = PreemptionHandler(sync_every=5).install()
-print(pid, "READY", flush=True)
+say(f"{pid} READY")
 step = 0
 while step < 3000:
     step += 1
     time.sleep(0.01)
     if stopper.should_stop(step):
         break
-print(pid, "STOP", step, stopper.stop_requested, flush=True)
+say(f"{pid} STOP {step} {stopper.stop_requested}")
 
 # Multi-process checkpoint of an array sharded over both processes, with a
 # per-process data-iterator state.
@@ -146,7 +148,7 @@ assert state["w"].sharding == w.sharding
 np.testing.assert_array_equal(multihost_utils.process_allgather(state["w"], tiled=True),
                               np.arange(16.0).reshape(8, 2) * step)
 assert data == {"shard": pid, "pos": step * 10 + pid}, data
-print(pid, "CKPT", meta["step"], meta["process_count"], flush=True)
+say(f"{pid} CKPT {meta['step']} {meta['process_count']}")
 '''
 
 
@@ -227,13 +229,13 @@ distributed.initialize(f"localhost:{port}", 2, pid, heartbeat_timeout=5, shutdow
 import jax, jax.numpy as jnp
 from jax.experimental import multihost_utils
 multihost_utils.sync_global_devices("up")
-print(pid, "UP", flush=True)
+print(f"{pid} UP", flush=True)
 if pid == victim:
     os._exit(7)  # dies without jax.distributed.shutdown()
 t0 = time.time()
 while time.time() - t0 < 120:  # the survivor would otherwise idle here
     time.sleep(0.2)
-print(pid, "STILL ALIVE", flush=True)
+print(f"{pid} STILL ALIVE", flush=True)
 '''
 
 
