@@ -271,6 +271,8 @@ def main():
   p.add_argument("--sweep", action="store_true")
   p.add_argument("--sweep-size", default="32768x37")
   p.add_argument("--no-ref", action="store_true")
+  p.add_argument("--pin-compare", default=None,
+                 help="NxS: time fwd and fwd+bwd with PIN_ACCUMULATORS off/on")
   p.add_argument("--no-fast", action="store_true")
   p.add_argument("--tuning", default=None,
                  help="JSON dict merged into triton_route.TUNING")
@@ -298,6 +300,22 @@ def main():
     print(f"sweep at N={n} S={s}:", flush=True)
     result["sweep"] = sweep(tr, n, s, args.d, args.h, dtype, copy_gbs)
     result["tuning"] = dict(tr.TUNING)
+  if args.pin_compare:
+    n, s = map(int, args.pin_compare.split("x"))
+    srcs, q, g, dy = make_inputs(n, s, args.d, dtype, seed=11)
+    e = n * args.d * dtype.itemsize
+    result["pin_compare"] = []
+    pin0 = tr.PIN_ACCUMULATORS
+    for pin in (False, True):
+      tr.PIN_ACCUMULATORS = pin
+      for what in ("fwd", "fb"):
+        rec = _time_config(tr, what, {}, srcs, q, g, dy, args.h, e, n, args.d,
+                           s, copy_gbs)
+        rec["pin"] = pin
+        print(f"    (pin={pin})", flush=True)
+        result["pin_compare"].append(rec)
+    tr.PIN_ACCUMULATORS = pin0
+    del srcs, dy
   sizes = DEFAULT_SIZES if not args.sizes else [
       tuple(map(int, x.split("x"))) for x in args.sizes.split(",")]
   for n, s in sizes:

@@ -104,12 +104,17 @@ CHUNK = 16
 # Tuning knobs: tokens per program are chosen so that each thread holds about
 # `*_elems_per_thread` fp32 elements of one [BN, HP, CP] tile.
 # `*_prefetch` (1..4): source tiles loaded ahead of the one being reduced.
+# Defaults: best of the sweep on an H200 (benchmarks/ROUTING_NOTES.md).
 TUNING: dict = {
-    "fwd_elems_per_thread": 16, "fwd_warps": 4, "fwd_prefetch": 3,
-    "cpass_elems_per_thread": 16, "cpass_warps": 4, "cpass_prefetch": 3,
-    "bwd_elems_per_thread": 16, "bwd_warps": 4, "bwd_programs_per_sm": 4,
+    "fwd_elems_per_thread": 16, "fwd_warps": 4, "fwd_prefetch": 4,
+    "cpass_elems_per_thread": 16, "cpass_warps": 4, "cpass_prefetch": 4,
+    "bwd_elems_per_thread": 16, "bwd_warps": 4, "bwd_programs_per_sm": 8,
     "bwd_prefetch": 2,
 }
+# Pin the forward / c-pass accumulators in place (see `_pin`). Off under
+# Triton's interpreter, which cannot run inline asm.
+PIN_ACCUMULATORS = os.environ.get("TRITON_INTERPRET", "0") not in ("1",
+                                                                 "true")
 
 # Debug: fill every output buffer with NaN before the kernel writes it (the
 # buffer is passed in and aliased to the output), so an element a kernel fails
@@ -169,14 +174,31 @@ def _logits(xs, t, D: tl.constexpr, EPS: tl.constexpr):
 
 
 @triton.jit
-def _fwd_step(xs, t, m, l, acc, D: tl.constexpr, EPS: tl.constexpr):
+def _pin(x, PIN: tl.constexpr):
+  """Identity the compiler does not move (a non-pure inline-asm ``mov``).
+
+  Without it LLVM sinks each step's exps and accumulation past the later
+  steps' barriers, so every source tile stays live in registers (measured
+  with ptxas: forward with 16 sources 250 -> 168 registers, c-pass 173 ->
+  80-128). ``PIN=False`` (Triton's interpreter has no inline asm) is the
+  plain identity.
+  """
+  if PIN:
+    x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x],
+                                  dtype=tl.float32, is_pure=False, pack=1)
+  return x
+
+
+@triton.jit
+def _fwd_step(xs, t, m, l, acc, D: tl.constexpr, EPS: tl.constexpr,
+              PIN: tl.constexpr):
   """One source of the online softmax: updates ``(m, l, acc)``."""
   x, r, u, logit = _logits(xs, t, D, EPS)
   m_new = tl.maximum(m, logit)
   alpha = tl.exp(m - m_new)
   p = tl.exp(logit - m_new)
   l = l * alpha + p
-  acc = acc * alpha[:, :, None] + p[:, :, None] * x
+  acc = _pin(acc * alpha[:, :, None] + p[:, :, None] * x, PIN)
   return m_new, l, acc
 
 
@@ -191,7 +213,8 @@ def _fwd_kernel(
     N,
     out_ptr, lse_ptr, m_out, l_out, acc_out,
     NSRC: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
-    PF: tl.constexpr, D: tl.constexpr, H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
+    PF: tl.constexpr, PIN: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
     CP: tl.constexpr, BN: tl.constexpr, EPS: tl.constexpr):
   """Forward over NSRC sources for BN tokens (grid: cdiv(N, BN)).
 
@@ -241,7 +264,7 @@ def _fwd_kernel(
     if PF == 4:
       if NSRC > 4:
         x4 = _load(s4, base, off, mask)
-    m, l, acc = _fwd_step(x0, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(x0, t, m, l, acc, D, EPS, PIN)
   if NSRC > 1:
     if PF == 1:
       if NSRC > 2:
@@ -255,7 +278,7 @@ def _fwd_kernel(
     if PF == 4:
       if NSRC > 5:
         x5 = _load(s5, base, off, mask)
-    m, l, acc = _fwd_step(x1, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(x1, t, m, l, acc, D, EPS, PIN)
   if NSRC > 2:
     if PF == 1:
       if NSRC > 3:
@@ -269,7 +292,7 @@ def _fwd_kernel(
     if PF == 4:
       if NSRC > 6:
         x6 = _load(s6, base, off, mask)
-    m, l, acc = _fwd_step(x2, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(x2, t, m, l, acc, D, EPS, PIN)
   if NSRC > 3:
     if PF == 1:
       if NSRC > 4:
@@ -283,7 +306,7 @@ def _fwd_kernel(
     if PF == 4:
       if NSRC > 7:
         x7 = _load(s7, base, off, mask)
-    m, l, acc = _fwd_step(x3, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(x3, t, m, l, acc, D, EPS, PIN)
   if NSRC > 4:
     if PF == 1:
       if NSRC > 5:
@@ -297,7 +320,7 @@ def _fwd_kernel(
     if PF == 4:
       if NSRC > 8:
         x8 = _load(s8, base, off, mask)
-    m, l, acc = _fwd_step(x4, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(x4, t, m, l, acc, D, EPS, PIN)
   if NSRC > 5:
     if PF == 1:
       if NSRC > 6:
@@ -311,7 +334,7 @@ def _fwd_kernel(
     if PF == 4:
       if NSRC > 9:
         x9 = _load(s9, base, off, mask)
-    m, l, acc = _fwd_step(x5, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(x5, t, m, l, acc, D, EPS, PIN)
   if NSRC > 6:
     if PF == 1:
       if NSRC > 7:
@@ -325,7 +348,7 @@ def _fwd_kernel(
     if PF == 4:
       if NSRC > 10:
         x10 = _load(s10, base, off, mask)
-    m, l, acc = _fwd_step(x6, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(x6, t, m, l, acc, D, EPS, PIN)
   if NSRC > 7:
     if PF == 1:
       if NSRC > 8:
@@ -339,7 +362,7 @@ def _fwd_kernel(
     if PF == 4:
       if NSRC > 11:
         x11 = _load(s11, base, off, mask)
-    m, l, acc = _fwd_step(x7, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(x7, t, m, l, acc, D, EPS, PIN)
   if NSRC > 8:
     if PF == 1:
       if NSRC > 9:
@@ -353,7 +376,7 @@ def _fwd_kernel(
     if PF == 4:
       if NSRC > 12:
         x12 = _load(s12, base, off, mask)
-    m, l, acc = _fwd_step(x8, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(x8, t, m, l, acc, D, EPS, PIN)
   if NSRC > 9:
     if PF == 1:
       if NSRC > 10:
@@ -367,7 +390,7 @@ def _fwd_kernel(
     if PF == 4:
       if NSRC > 13:
         x13 = _load(s13, base, off, mask)
-    m, l, acc = _fwd_step(x9, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(x9, t, m, l, acc, D, EPS, PIN)
   if NSRC > 10:
     if PF == 1:
       if NSRC > 11:
@@ -381,7 +404,7 @@ def _fwd_kernel(
     if PF == 4:
       if NSRC > 14:
         x14 = _load(s14, base, off, mask)
-    m, l, acc = _fwd_step(x10, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(x10, t, m, l, acc, D, EPS, PIN)
   if NSRC > 11:
     if PF == 1:
       if NSRC > 12:
@@ -395,7 +418,7 @@ def _fwd_kernel(
     if PF == 4:
       if NSRC > 15:
         x15 = _load(s15, base, off, mask)
-    m, l, acc = _fwd_step(x11, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(x11, t, m, l, acc, D, EPS, PIN)
   if NSRC > 12:
     if PF == 1:
       if NSRC > 13:
@@ -406,7 +429,7 @@ def _fwd_kernel(
     if PF == 3:
       if NSRC > 15:
         x15 = _load(s15, base, off, mask)
-    m, l, acc = _fwd_step(x12, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(x12, t, m, l, acc, D, EPS, PIN)
   if NSRC > 13:
     if PF == 1:
       if NSRC > 14:
@@ -414,14 +437,14 @@ def _fwd_kernel(
     if PF == 2:
       if NSRC > 15:
         x15 = _load(s15, base, off, mask)
-    m, l, acc = _fwd_step(x13, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(x13, t, m, l, acc, D, EPS, PIN)
   if NSRC > 14:
     if PF == 1:
       if NSRC > 15:
         x15 = _load(s15, base, off, mask)
-    m, l, acc = _fwd_step(x14, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(x14, t, m, l, acc, D, EPS, PIN)
   if NSRC > 15:
-    m, l, acc = _fwd_step(x15, t, m, l, acc, D, EPS)
+    m, l, acc = _fwd_step(x15, t, m, l, acc, D, EPS, PIN)
   # </gen:FWD_STEPS>
   if LAST:
     out = acc / l[:, :, None]
@@ -435,11 +458,12 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _cpass_step(xs, t, g, lse, c, D: tl.constexpr, EPS: tl.constexpr):
+def _cpass_step(xs, t, g, lse, c, D: tl.constexpr, EPS: tl.constexpr,
+                PIN: tl.constexpr):
   """``c += w_i * <g, s_i>`` per head."""
   x, r, u, logit = _logits(xs, t, D, EPS)
   w = tl.exp(logit - lse)
-  return c + w * tl.sum(g * x, axis=2)
+  return _pin(c + w * tl.sum(g * x, axis=2), PIN)
 
 
 @triton.jit
@@ -453,6 +477,7 @@ def _cpass_kernel(
     N,
     c_out,
     NSRC: tl.constexpr, FIRST: tl.constexpr, PF: tl.constexpr,
+    PIN: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
     CP: tl.constexpr, BN: tl.constexpr, EPS: tl.constexpr):
   """Backward pass 1 (grid: cdiv(N, BN)): ``c = sum_i w_i <g, s_i>_h``.
@@ -498,7 +523,7 @@ def _cpass_kernel(
     if PF == 4:
       if NSRC > 4:
         x4 = _load(s4, base, off, mask)
-    c = _cpass_step(x0, t, g, lse, c, D, EPS)
+    c = _cpass_step(x0, t, g, lse, c, D, EPS, PIN)
   if NSRC > 1:
     if PF == 1:
       if NSRC > 2:
@@ -512,7 +537,7 @@ def _cpass_kernel(
     if PF == 4:
       if NSRC > 5:
         x5 = _load(s5, base, off, mask)
-    c = _cpass_step(x1, t, g, lse, c, D, EPS)
+    c = _cpass_step(x1, t, g, lse, c, D, EPS, PIN)
   if NSRC > 2:
     if PF == 1:
       if NSRC > 3:
@@ -526,7 +551,7 @@ def _cpass_kernel(
     if PF == 4:
       if NSRC > 6:
         x6 = _load(s6, base, off, mask)
-    c = _cpass_step(x2, t, g, lse, c, D, EPS)
+    c = _cpass_step(x2, t, g, lse, c, D, EPS, PIN)
   if NSRC > 3:
     if PF == 1:
       if NSRC > 4:
@@ -540,7 +565,7 @@ def _cpass_kernel(
     if PF == 4:
       if NSRC > 7:
         x7 = _load(s7, base, off, mask)
-    c = _cpass_step(x3, t, g, lse, c, D, EPS)
+    c = _cpass_step(x3, t, g, lse, c, D, EPS, PIN)
   if NSRC > 4:
     if PF == 1:
       if NSRC > 5:
@@ -554,7 +579,7 @@ def _cpass_kernel(
     if PF == 4:
       if NSRC > 8:
         x8 = _load(s8, base, off, mask)
-    c = _cpass_step(x4, t, g, lse, c, D, EPS)
+    c = _cpass_step(x4, t, g, lse, c, D, EPS, PIN)
   if NSRC > 5:
     if PF == 1:
       if NSRC > 6:
@@ -568,7 +593,7 @@ def _cpass_kernel(
     if PF == 4:
       if NSRC > 9:
         x9 = _load(s9, base, off, mask)
-    c = _cpass_step(x5, t, g, lse, c, D, EPS)
+    c = _cpass_step(x5, t, g, lse, c, D, EPS, PIN)
   if NSRC > 6:
     if PF == 1:
       if NSRC > 7:
@@ -582,7 +607,7 @@ def _cpass_kernel(
     if PF == 4:
       if NSRC > 10:
         x10 = _load(s10, base, off, mask)
-    c = _cpass_step(x6, t, g, lse, c, D, EPS)
+    c = _cpass_step(x6, t, g, lse, c, D, EPS, PIN)
   if NSRC > 7:
     if PF == 1:
       if NSRC > 8:
@@ -596,7 +621,7 @@ def _cpass_kernel(
     if PF == 4:
       if NSRC > 11:
         x11 = _load(s11, base, off, mask)
-    c = _cpass_step(x7, t, g, lse, c, D, EPS)
+    c = _cpass_step(x7, t, g, lse, c, D, EPS, PIN)
   if NSRC > 8:
     if PF == 1:
       if NSRC > 9:
@@ -610,7 +635,7 @@ def _cpass_kernel(
     if PF == 4:
       if NSRC > 12:
         x12 = _load(s12, base, off, mask)
-    c = _cpass_step(x8, t, g, lse, c, D, EPS)
+    c = _cpass_step(x8, t, g, lse, c, D, EPS, PIN)
   if NSRC > 9:
     if PF == 1:
       if NSRC > 10:
@@ -624,7 +649,7 @@ def _cpass_kernel(
     if PF == 4:
       if NSRC > 13:
         x13 = _load(s13, base, off, mask)
-    c = _cpass_step(x9, t, g, lse, c, D, EPS)
+    c = _cpass_step(x9, t, g, lse, c, D, EPS, PIN)
   if NSRC > 10:
     if PF == 1:
       if NSRC > 11:
@@ -638,7 +663,7 @@ def _cpass_kernel(
     if PF == 4:
       if NSRC > 14:
         x14 = _load(s14, base, off, mask)
-    c = _cpass_step(x10, t, g, lse, c, D, EPS)
+    c = _cpass_step(x10, t, g, lse, c, D, EPS, PIN)
   if NSRC > 11:
     if PF == 1:
       if NSRC > 12:
@@ -652,7 +677,7 @@ def _cpass_kernel(
     if PF == 4:
       if NSRC > 15:
         x15 = _load(s15, base, off, mask)
-    c = _cpass_step(x11, t, g, lse, c, D, EPS)
+    c = _cpass_step(x11, t, g, lse, c, D, EPS, PIN)
   if NSRC > 12:
     if PF == 1:
       if NSRC > 13:
@@ -663,7 +688,7 @@ def _cpass_kernel(
     if PF == 3:
       if NSRC > 15:
         x15 = _load(s15, base, off, mask)
-    c = _cpass_step(x12, t, g, lse, c, D, EPS)
+    c = _cpass_step(x12, t, g, lse, c, D, EPS, PIN)
   if NSRC > 13:
     if PF == 1:
       if NSRC > 14:
@@ -671,14 +696,14 @@ def _cpass_kernel(
     if PF == 2:
       if NSRC > 15:
         x15 = _load(s15, base, off, mask)
-    c = _cpass_step(x13, t, g, lse, c, D, EPS)
+    c = _cpass_step(x13, t, g, lse, c, D, EPS, PIN)
   if NSRC > 14:
     if PF == 1:
       if NSRC > 15:
         x15 = _load(s15, base, off, mask)
-    c = _cpass_step(x14, t, g, lse, c, D, EPS)
+    c = _cpass_step(x14, t, g, lse, c, D, EPS, PIN)
   if NSRC > 15:
-    c = _cpass_step(x15, t, g, lse, c, D, EPS)
+    c = _cpass_step(x15, t, g, lse, c, D, EPS, PIN)
   # </gen:CPASS_STEPS>
   tl.store(c_out + hbase + hoff, c, mask=hmask)
 
@@ -995,6 +1020,7 @@ class _Cfg:
   bwd_warps: int
   bwd_pf: int
   bwd_programs: int
+  pin: bool = True                 # see _pin
   mesh: object = None              # AbstractMesh, or None: call directly
   batch_axes: tuple = ()           # mesh axes splitting the first leading dim
 
@@ -1053,6 +1079,7 @@ def _make_cfg(d, h, eps, exact_bwd, mesh, batch_axes) -> _Cfg:
                                  tu["bwd_warps"]),
       bwd_warps=tu["bwd_warps"], bwd_pf=_pf(tu["bwd_prefetch"]),
       bwd_programs=max(1, _num_sms() * tu["bwd_programs_per_sm"]),
+      pin=PIN_ACCUMULATORS,
       mesh=mesh, batch_axes=tuple(batch_axes))
 
 
@@ -1119,7 +1146,7 @@ def _fwd_local(srcs, t, cfg: _Cfg):
     res = _launch(_fwd_kernel, inputs, [n], shapes, grid=grid,
                   num_warps=cfg.fwd_warps, carry=carry, poison=cfg.poison,
                   dummy=t, NSRC=len(ch), FIRST=first, LAST=last,
-                  PF=cfg.fwd_pf,
+                  PF=cfg.fwd_pf, PIN=cfg.pin,
                   **cfg.meta(bn))
     if last:
       return res[0], res[1]
@@ -1142,6 +1169,7 @@ def _cpass_local(srcs, g, t, lse, cfg: _Cfg):
                    grid=grid, num_warps=cfg.cpass_warps,
                    carry={} if first else {0: k + 3}, poison=cfg.poison,
                    dummy=t, NSRC=len(ch), FIRST=first, PF=cfg.cpass_pf,
+                   PIN=cfg.pin,
                    **cfg.meta(bn))
   return c
 
