@@ -145,6 +145,9 @@ CORRUPTIONS = {
 }
 
 
+# A failed tensorstore read can leave an orbax/asyncio callback that fires after
+# its event loop closed ("Event loop is closed"): harmless, not ours.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
 def test_corrupt_latest_falls_back_with_warning(tmp_path, caplog, corruption):
     ck = Checkpointer(tmp_path, max_to_keep=5)
