@@ -1,0 +1,187 @@
+"""Training throughput of each residual scheme against the baseline, in one run.
+
+    python benchmarks/throughput.py --presets 100m,350m,1b \
+        --schemes prenorm,hyper,attnres,mhar,mhar_b8 [--routing_impl auto]
+
+For every (preset, scheme) a fresh process (so peak memory is its own) builds
+the preset's model in bf16 with fp32 parameters, jits the full train step
+(forward + backward + AdamW, the trainer's own step function) on random
+tokens of the preset's sequence length and global batch, runs ``--warmup``
+steps, then times ``--steps`` steps one by one and reports the median.
+Printed: tokens/s, MFU (FLOPs per token ``6N + 6 L H_q d_h T``, dense bf16
+peak 989 TFLOP/s for H100/H200), peak device memory (``memory_stats``) and
+the ratios to ``prenorm`` of the same preset measured in the same run.
+
+Schemes: ``prenorm``, ``hyper``, ``attnres``, ``mhar`` (H=8), ``mhar_b8``
+(H=8, 8 blocks); append ``:reference`` or ``:triton`` to force the routing
+implementation (e.g. ``mhar:reference``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SCHEMES = {
+    "prenorm": dict(residual="prenorm"),
+    "hyper": dict(residual="hyper"),
+    "attnres": dict(residual="attnres"),
+    "mhar": dict(residual="mhar", routing_heads=8),
+    "mhar_b8": dict(residual="mhar", routing_heads=8, num_blocks=8),
+}
+
+
+def load_preset(name):
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      name, os.path.join(ROOT, "configs", f"{name}.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config()
+
+
+def child(preset: str, scheme: str, steps: int, warmup: int,
+          micro_tokens: int, routing_impl: str) -> dict:
+  import jax
+  import numpy as np
+  from mhar_jax import parallel, training
+  from mhar_jax.config import validate
+
+  name, _, impl = scheme.partition(":")
+  cfg = load_preset(preset)
+  cfg.model.update(**SCHEMES[name])
+  cfg.model.routing_impl = impl or routing_impl
+  t = cfg.train
+  tokens = t.global_batch * t.seq_len
+  accum = 1
+  while tokens // accum > micro_tokens and t.global_batch % (accum * 2) == 0:
+    accum *= 2
+  t.grad_accum = accum
+  devices = jax.devices()[:1]
+  model_cfg = validate(cfg, num_devices=1)
+  mesh = parallel.make_mesh(1, 1, devices)
+  tx = training.make_optimizer(t)
+  gdef = training.graphdef(model_cfg)
+  state_sh = training.state_shardings_for(model_cfg, tx, mesh)
+  batch_sh = parallel.batch_sharding(mesh)
+  step = training.make_train_step(gdef, tx, t, state_sh, batch_sh)
+  state = training.init_state(model_cfg, tx, 0, state_sh)
+  rng = np.random.default_rng(0)
+  batches = [{k: jax.device_put(rng.integers(0, model_cfg.vocab_size,
+                                             (t.global_batch, t.seq_len),
+                                             dtype=np.int32), batch_sh)
+              for k in ("inputs", "targets")} for _ in range(2)]
+  t0 = time.time()
+  state, m = step(state, batches[0])
+  jax.block_until_ready(m)
+  compile_s = time.time() - t0
+  for i in range(warmup):
+    state, m = step(state, batches[i % 2])
+  jax.block_until_ready(m)
+  times = []
+  for i in range(steps):
+    t0 = time.perf_counter()
+    state, m = step(state, batches[i % 2])
+    jax.block_until_ready(m)
+    times.append(time.perf_counter() - t0)
+  med = float(np.median(times))
+  n_params = sum(int(x.size) for x in jax.tree.leaves(state["params"]))
+  fpt = training.flops_per_token(model_cfg, t.seq_len)
+  peak = training.peak_flops(devices[0])
+  stats = devices[0].memory_stats() or {}
+  from mhar_jax.kernels import resolve_impl
+  return {"preset": preset, "scheme": scheme,
+          "routing": (resolve_impl(cfg.model.routing_impl)
+                      if name != "prenorm" and name != "hyper" else "-"),
+          "params": n_params, "grad_accum": accum, "step_s": med,
+          "step_s_spread": float(np.percentile(times, 90) - np.percentile(times, 10)),
+          "tokens_per_s": tokens / med,
+          "mfu": tokens / med * fpt / peak if peak else None,
+          "peak_bytes": stats.get("peak_bytes_in_use"),
+          "compile_s": compile_s, "loss": float(m["loss"]),
+          "device": devices[0].device_kind}
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--presets", default="100m")
+  ap.add_argument("--schemes", default="prenorm,hyper,attnres,mhar,mhar_b8")
+  ap.add_argument("--steps", type=int, default=10)
+  ap.add_argument("--warmup", type=int, default=3)
+  ap.add_argument("--micro_tokens", type=int, default=16384,
+                  help="largest microbatch in tokens (grad accumulation above)")
+  ap.add_argument("--routing_impl", default="auto")
+  ap.add_argument("--json", default="", help="also write results here")
+  ap.add_argument("--timeout", type=int, default=600,
+                  help="seconds allowed per (preset, scheme) process")
+  ap.add_argument("--budget", type=int, default=0,
+                  help="stop starting new runs after this many seconds")
+  ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+  a = ap.parse_args()
+  if a.child:
+    preset, scheme = a.child.split("/")
+    print("RESULT " + json.dumps(child(preset, scheme, a.steps, a.warmup,
+                                       a.micro_tokens, a.routing_impl)),
+          flush=True)
+    return
+  results = []
+  start = time.time()
+  runs = [(p, s) for p in a.presets.split(",") for s in a.schemes.split(",")]
+  for preset, scheme in runs:
+    if a.budget and time.time() - start > a.budget:
+      print(f"{preset}/{scheme} SKIPPED (budget of {a.budget}s spent)")
+      continue
+    cmd = [sys.executable, __file__, "--child", f"{preset}/{scheme}",
+           "--steps", str(a.steps), "--warmup", str(a.warmup),
+           "--micro_tokens", str(a.micro_tokens),
+           "--routing_impl", a.routing_impl]
+    t0 = time.time()
+    try:
+      p = subprocess.run(cmd, capture_output=True, text=True,
+                         timeout=a.timeout)
+    except subprocess.TimeoutExpired:
+      print(f"{preset}/{scheme} TIMED OUT after {a.timeout}s", flush=True)
+      continue
+    lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+    if p.returncode or not lines:
+      print(f"{preset}/{scheme} FAILED ({time.time() - t0:.0f}s):\n"
+            + p.stderr[-3000:], flush=True)
+      continue
+    r = json.loads(lines[-1][7:])
+    results.append(r)
+    print(f"{preset}/{scheme}: {r['tokens_per_s']:,.0f} tok/s,"
+          f" compile {r['compile_s']:.0f}s, wall {time.time() - t0:.0f}s",
+          flush=True)
+    if a.json:
+      with open(a.json, "w") as f:
+        json.dump(results, f, indent=1)
+  print_table(results)
+
+
+def print_table(results):
+  base = {r["preset"]: r for r in results if r["scheme"] == "prenorm"}
+  print("\n| preset | scheme | routing | accum | step ms | tokens/s | MFU |"
+        " peak GiB | tok/s ratio | mem ratio |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  for r in results:
+    b = base.get(r["preset"])
+    ratio = r["tokens_per_s"] / b["tokens_per_s"] if b else float("nan")
+    mem = (r["peak_bytes"] / b["peak_bytes"]
+           if b and r["peak_bytes"] and b["peak_bytes"] else float("nan"))
+    mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"
+    peak = f"{r['peak_bytes'] / 2**30:.1f}" if r["peak_bytes"] else "-"
+    print(f"| {r['preset']} | {r['scheme']} | {r['routing']} |"
+          f" {r['grad_accum']} | {r['step_s'] * 1e3:.1f} |"
+          f" {r['tokens_per_s']:,.0f} | {mfu} | {peak} | {ratio:.3f} |"
+          f" {mem:.3f} |")
+
+
+if __name__ == "__main__":
+  main()
