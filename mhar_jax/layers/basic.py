@@ -74,7 +74,8 @@ class Attention(nnx.Module):
 
   ``x [B, T, D] -> [B, T, D]``. ``num_heads`` query heads share
   ``num_kv_heads`` key/value heads. The core is ``jax.nn.dot_product_attention``
-  with ``implementation`` ``None`` (XLA picks), ``"xla"`` or ``"cudnn"``.
+  with ``implementation`` ``"xla"``, ``"cudnn"`` or ``None`` (cuDNN on GPU
+  for bf16/fp16, XLA otherwise).
   """
 
   def __init__(self, dim: int, num_heads: int, num_kv_heads: int,
@@ -114,8 +115,12 @@ class Attention(nnx.Module):
                       "activation_kv_heads", None))
     q = apply_rope(self.q_norm(q), positions, self.rope_theta)
     k = apply_rope(self.k_norm(k), positions, self.rope_theta)
+    impl = self.implementation
+    if impl is None:     # cuDNN flash attention where it applies, else XLA
+      impl = ("cudnn" if jax.default_backend() == "gpu"
+              and q.dtype in (jnp.bfloat16, jnp.float16) else "xla")
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                     implementation=self.implementation)
+                                     implementation=impl)
     out = jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(dt))
     return constrain(out, BTD)
 
