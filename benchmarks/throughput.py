@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,10 +50,17 @@ def load_preset(name):
 
 def child(preset: str, scheme: str, steps: int, warmup: int,
           micro_tokens: int, routing_impl: str) -> dict:
+  t_start = time.time()
+
+  def phase(msg):
+    print(f"[{time.time() - t_start:6.1f}s] {preset}/{scheme}: {msg}",
+          file=sys.stderr, flush=True)
+
   import jax
   import numpy as np
   from mhar_jax import parallel, training
   from mhar_jax.config import validate
+  phase(f"jax imported, {jax.devices()[0].device_kind}")
 
   name, _, impl = scheme.partition(":")
   cfg = load_preset(preset)
@@ -73,6 +81,8 @@ def child(preset: str, scheme: str, steps: int, warmup: int,
   batch_sh = parallel.batch_sharding(mesh)
   step = training.make_train_step(gdef, tx, t, state_sh, batch_sh)
   state = training.init_state(model_cfg, tx, 0, state_sh)
+  jax.block_until_ready(state)
+  phase("state initialised")
   rng = np.random.default_rng(0)
   batches = [{k: jax.device_put(rng.integers(0, model_cfg.vocab_size,
                                              (t.global_batch, t.seq_len),
@@ -82,6 +92,7 @@ def child(preset: str, scheme: str, steps: int, warmup: int,
   state, m = step(state, batches[0])
   jax.block_until_ready(m)
   compile_s = time.time() - t0
+  phase(f"first step (compile) {compile_s:.1f}s")
   for i in range(warmup):
     state, m = step(state, batches[i % 2])
   jax.block_until_ready(m)
@@ -143,12 +154,18 @@ def main():
            "--micro_tokens", str(a.micro_tokens),
            "--routing_impl", a.routing_impl]
     t0 = time.time()
-    try:
-      p = subprocess.run(cmd, capture_output=True, text=True,
-                         timeout=a.timeout)
-    except subprocess.TimeoutExpired:
-      print(f"{preset}/{scheme} TIMED OUT after {a.timeout}s", flush=True)
-      continue
+    with tempfile.TemporaryFile("w+") as err:
+      try:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                           timeout=a.timeout)
+      except subprocess.TimeoutExpired:
+        err.seek(0)
+        phases = [l for l in err.read().splitlines() if l.startswith("[")]
+        print(f"{preset}/{scheme} TIMED OUT after {a.timeout}s; phases:\n  "
+              + "\n  ".join(phases), flush=True)
+        continue
+      err.seek(0)
+      p.stderr = err.read()
     lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
     if p.returncode or not lines:
       print(f"{preset}/{scheme} FAILED ({time.time() - t0:.0f}s):\n"
