@@ -82,4 +82,5 @@ def test_history_memory_is_linear_in_depth():
   growth = (m[4] - m[2]) / (m[2] - m[1])
   assert growth < 2.5, m
   base = train_step_temp_bytes(4, "prenorm")
-  assert m[4] < 1.5 * base, (m, base)
+  # one site's stacked float32 temporaries on top of the baseline, no more
+  assert m[4] < 2 * base, (m, base)

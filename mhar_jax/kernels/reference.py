@@ -16,7 +16,11 @@ Memory: the forward saves only the sources themselves (which the caller keeps
 alive anyway), the per-source ``r`` and the weights ``w`` (``[S, ..., H]``), so a
 model that calls :func:`route` at every site with a growing list of sources pays
 one copy of the history, not one per site. The backward is written out by hand
-(``jax.custom_vjp``) so that this holds whatever XLA decides to fuse.
+(``jax.custom_vjp``) so that this holds whatever XLA decides to fuse. Inside
+forward and backward the sources are stacked into one ``[S, ..., D]``
+temporary (freed after the site): that keeps the program O(1) operations per
+site, so deep models compile quickly, at the price of extra traffic the GPU
+kernels do not pay.
 
 All contractions are einsums over a ``(..., H, D/H)`` view, so with heads
 divisible by a mesh's model axis each head's softmax is local to a shard and
@@ -84,24 +88,20 @@ def inv_rms(s: jax.Array, eps: float) -> jax.Array:
   return jax.lax.rsqrt(jnp.mean(s * s, axis=-1) + eps)
 
 
-def _weights(sources, query, norm_scale, num_heads, eps):
-  """Returns ``(w [S, ..., H], r [S, ...], u [S, ..., H], t [H, D/H])``."""
+def _weights(st, query, norm_scale, num_heads, eps):
+  """``st [S, ..., D]`` -> ``(w [S, ..., H], r [S, ...], u [S, ..., H], t [H, C])``."""
   t = (query.astype(jnp.float32) * norm_scale.astype(jnp.float32)).reshape(
       num_heads, -1)
-  r = jnp.stack([inv_rms(s, eps) for s in sources])
-  u = jnp.stack(
-      [jnp.einsum("...hc,hc->...h", _heads(s, num_heads), t) for s in sources])
+  r = inv_rms(st, eps)
+  u = jnp.einsum("s...hc,hc->s...h", _heads(st, num_heads), t)
   w = jax.nn.softmax(r[..., None] * u, axis=0)
   return w, r, u, t
 
 
-def _mix(sources, w, num_heads):
+def _mix(st, w, num_heads):
   """``sum_i w[i, ..., head(c)] * s_i[..., c]`` in float32, ``[..., D]``."""
-  acc = None
-  for s, wi in zip(sources, w):
-    term = jnp.einsum("...h,...hc->...hc", wi, _heads(s, num_heads))
-    acc = term if acc is None else acc + term
-  return acc.reshape(sources[0].shape)
+  out = jnp.einsum("s...h,s...hc->...hc", w, _heads(st, num_heads))
+  return out.reshape(st.shape[1:])
 
 
 def routing_weights(sources: Sources, query: jax.Array, norm_scale: jax.Array,
@@ -109,7 +109,7 @@ def routing_weights(sources: Sources, query: jax.Array, norm_scale: jax.Array,
   """The softmax routing weights ``[S, ..., H]`` (float32) of :func:`route`."""
   sources = as_source_list(sources)
   check_route_args(sources, query, norm_scale, num_heads)
-  return _weights(sources, query, norm_scale, num_heads, eps)[0]
+  return _weights(jnp.stack(sources), query, norm_scale, num_heads, eps)[0]
 
 
 def route(sources: Sources, query: jax.Array, norm_scale: jax.Array, *,
@@ -133,39 +133,37 @@ def route(sources: Sources, query: jax.Array, norm_scale: jax.Array, *,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _route(sources, query, norm_scale, num_heads, eps):
-  w, _, _, _ = _weights(sources, query, norm_scale, num_heads, eps)
-  return _mix(sources, w, num_heads).astype(sources[0].dtype)
+  st = jnp.stack(sources)
+  w, _, _, _ = _weights(st, query, norm_scale, num_heads, eps)
+  return _mix(st, w, num_heads).astype(st.dtype)
 
 
 def _route_fwd(sources, query, norm_scale, num_heads, eps):
-  w, r, u, t = _weights(sources, query, norm_scale, num_heads, eps)
-  out = _mix(sources, w, num_heads).astype(sources[0].dtype)
+  st = jnp.stack(sources)
+  w, r, u, t = _weights(st, query, norm_scale, num_heads, eps)
+  out = _mix(st, w, num_heads).astype(st.dtype)
   return out, (sources, query, norm_scale, w, r, u, t)
 
 
 def _route_bwd(num_heads, eps, res, g):
   del eps
   sources, query, norm_scale, w, r, u, t = res
-  d = sources[0].shape[-1]
+  st = jnp.stack(sources)
+  d = st.shape[-1]
+  sh = _heads(st, num_heads)                                 # [S, ..., H, C]
   g = _heads(g, num_heads)                                   # [..., H, C]
-  dw = jnp.stack([jnp.einsum("...hc,...hc->...h", g, _heads(s, num_heads))
-                  for s in sources])                         # [S, ..., H]
+  dw = jnp.einsum("...hc,s...hc->s...h", g, sh)              # [S, ..., H]
   dlogit = w * (dw - jnp.sum(w * dw, axis=0, keepdims=True))  # softmax
   du = dlogit * r[..., None]                                 # d/du
   dr = jnp.sum(dlogit * u, axis=-1)                          # d/dr, [S, ...]
-  dt = jnp.zeros_like(t)
-  dsources = []
-  for s, wi, dui, dri, ri in zip(sources, w, du, dr, r):
-    sh = _heads(s, num_heads)
-    dt = dt + jnp.einsum("...h,...hc->hc", dui, sh)
-    ds = (jnp.einsum("...h,...hc->...hc", wi, g)              # through the mix
-          + jnp.einsum("...h,hc->...hc", dui, t)              # through u
-          - (dri * ri**3 / d)[..., None, None] * sh)          # through r
-    dsources.append(ds.reshape(s.shape).astype(s.dtype))
-  dt = dt.reshape(d)
+  ds = (jnp.einsum("s...h,...hc->s...hc", w, g)              # through the mix
+        + jnp.einsum("s...h,hc->s...hc", du, t)              # through u
+        - (dr * r**3 / d)[..., None, None] * sh)             # through r
+  ds = ds.reshape(st.shape).astype(st.dtype)
+  dt = jnp.einsum("s...h,s...hc->hc", du, sh).reshape(d)
   dquery = (dt * norm_scale.astype(jnp.float32)).astype(query.dtype)
   dscale = (dt * query.astype(jnp.float32)).astype(norm_scale.dtype)
-  return tuple(dsources), dquery, dscale
+  return tuple(ds[i] for i in range(len(sources))), dquery, dscale
 
 
 _route.defvjp(_route_fwd, _route_bwd)
