@@ -203,6 +203,22 @@ def _json_default(o: Any) -> Any:
 _MISSING = "<missing>"
 
 
+def latest_meta(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The ``meta`` of the newest finalised step under ``directory``, read as
+    plain JSON without opening a manager (None when there is no checkpoint or
+    its meta is unreadable; ``Checkpointer.restore`` then decides)."""
+    root = epath.Path(directory)
+    if not root.exists():
+        return None
+    steps = sorted((int(p.name) for p in root.iterdir() if p.name.isdigit()), reverse=True)
+    for step in steps:
+        try:
+            return json.loads((root / str(step) / META / _META_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def check_compatible(meta: Mapping[str, Any], expected_fingerprint: Mapping[str, Any]) -> None:
     """Checks that a checkpoint was written for the same model architecture.
 

@@ -11,9 +11,7 @@ devices). Multi-host: ``jax.distributed`` is initialised from SLURM / Open MPI
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -111,9 +109,7 @@ class Trainer:
                                                     cfg.train.seq_len)
     peak = training.peak_flops(jax.devices()[0])
     self.peak = peak * len(devices) if peak else None
-    self.fingerprint = {"model": dataclasses.asdict(model_cfg)}
-    for k in ("routing_impl", "attention_impl", "remat"):   # not architecture
-      self.fingerprint["model"].pop(k)
+    self.fingerprint = training.fingerprint(model_cfg)
 
   # -- data ---------------------------------------------------------------------
 
@@ -279,7 +275,6 @@ def dry_run(cfg, model_cfg):
   import jax.numpy as jnp
   from mhar_jax import parallel, training
   from mhar_jax.config import mesh_shape
-  from mhar_jax.layers import count_params
 
   data, model = mesh_shape(cfg, jax.device_count())
   mesh = parallel.make_mesh(data, model)
@@ -340,7 +335,9 @@ def main(argv):
                                f"{FLAGS.dry_run_devices}")
   import jax
   from mhar_jax import distributed
-  from mhar_jax.checkpoint import CheckpointError, check_writable
+  from mhar_jax import training
+  from mhar_jax.checkpoint import (CheckpointError, check_compatible,
+                                   check_writable, latest_meta)
   from mhar_jax.config import model_config, validate
 
   cfg = _CONFIG.value
@@ -359,6 +356,9 @@ def main(argv):
     if not FLAGS.dry_run:
       check_writable(workdir)
       data_dir = resolve_data(cfg, model_cfg)
+      meta = latest_meta(os.path.join(workdir, "checkpoints"))
+      if meta is not None:   # resuming: the checkpoint must be this model
+        check_compatible(meta, training.fingerprint(model_cfg))
   except (ValueError, CheckpointError) as e:
     sys.exit(f"mhar_jax.train: {e}")
   if FLAGS.dry_run:

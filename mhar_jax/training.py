@@ -11,6 +11,7 @@ and the model's static structure is an ``nnx.GraphDef`` kept beside it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -88,6 +89,15 @@ def abstract_params(model_cfg: TransformerConfig) -> nnx.State:
   """The parameters as an abstract ``nnx.State`` (shapes and logical names)."""
   model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
   return nnx.state(model, nnx.Param)
+
+
+def fingerprint(model_cfg: TransformerConfig) -> dict:
+  """What a checkpoint must match to be resumed: the architecture (not the
+  implementation choices routing_impl / attention_impl / remat)."""
+  arch = dataclasses.asdict(model_cfg)
+  for k in ("routing_impl", "attention_impl", "remat"):
+    arch.pop(k)
+  return {"model": arch}
 
 
 def graphdef(model_cfg: TransformerConfig) -> nnx.GraphDef:

@@ -195,3 +195,14 @@ def test_two_processes_match_one_process_with_four_devices(tmp_path):
   b = read_scalars(str(tmp_path / "single" / "tensorboard"))["train/loss"]
   assert [s for s, _ in a] == [s for s, _ in b] == [2, 4, 6]
   np.testing.assert_allclose([v for _, v in a], [v for _, v in b], rtol=1e-5)
+
+
+def test_resuming_another_architecture_fails_at_start(tmp_path):
+  r = run_cli(*TINY_FLAGS, "--config.train.steps=2", "--config.train.warmup_steps=1",
+              "--config.eval.every=1000", f"--workdir={tmp_path}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  r = run_cli(*TINY_FLAGS, "--config.train.steps=4", "--config.train.warmup_steps=1",
+              "--config.model.num_layers=2", f"--workdir={tmp_path}")
+  assert r.returncode != 0
+  assert "model.num_layers: checkpoint 1, config 2" in r.stderr, r.stderr[-2000:]
+  assert "Traceback" not in r.stderr

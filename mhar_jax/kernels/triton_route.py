@@ -88,7 +88,6 @@ import dataclasses
 import functools
 import math
 import os
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
