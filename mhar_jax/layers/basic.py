@@ -72,6 +72,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 class Attention(nnx.Module):
   """Causal grouped-query self-attention with per-head QK-RMSNorm and RoPE.
 
+  ``qk_norm=False`` drops the QK-RMSNorm (and its parameters): Llama style.
+
   ``x [B, T, D] -> [B, T, D]``. ``num_heads`` query heads share
   ``num_kv_heads`` key/value heads. The core is ``jax.nn.dot_product_attention``
   with ``implementation`` ``"xla"``, ``"cudnn"`` or ``None`` (cuDNN on GPU
@@ -82,7 +84,7 @@ class Attention(nnx.Module):
                head_dim: int, *, rope_theta: float = 1e4, eps: float = 1e-6,
                init_std: float = 0.02, implementation: str | None = None,
                dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
-               rngs: nnx.Rngs):
+               qk_norm: bool = True, rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
       raise ValueError(
           f"model.num_kv_heads={num_kv_heads} must divide"
@@ -100,8 +102,12 @@ class Attention(nnx.Module):
                     ("embed", "kv_heads", "head_dim"), param_dtype)
     self.wo = param(rngs, init, (num_heads, head_dim, dim),
                     ("q_heads", "head_dim", "embed"), param_dtype)
-    self.q_norm = RMSNorm(head_dim, eps=eps, param_dtype=param_dtype, rngs=rngs)
-    self.k_norm = RMSNorm(head_dim, eps=eps, param_dtype=param_dtype, rngs=rngs)
+    self.qk_norm = qk_norm
+    if qk_norm:
+      self.q_norm = RMSNorm(head_dim, eps=eps, param_dtype=param_dtype,
+                            rngs=rngs)
+      self.k_norm = RMSNorm(head_dim, eps=eps, param_dtype=param_dtype,
+                            rngs=rngs)
 
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     dt = self.dtype
@@ -113,8 +119,10 @@ class Attention(nnx.Module):
                       "activation_heads", None))
     k = constrain(k, ("activation_batch", "activation_length",
                       "activation_kv_heads", None))
-    q = apply_rope(self.q_norm(q), positions, self.rope_theta)
-    k = apply_rope(self.k_norm(k), positions, self.rope_theta)
+    if self.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = apply_rope(q, positions, self.rope_theta)
+    k = apply_rope(k, positions, self.rope_theta)
     impl = self.implementation
     if impl is None:     # cuDNN flash attention where it applies, else XLA
       impl = ("cudnn" if jax.default_backend() == "gpu"

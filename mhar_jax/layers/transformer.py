@@ -16,7 +16,9 @@ sublayer outputs ``s_{j+1}``; with ``num_blocks`` set, the outputs of each block
 of consecutive sublayers are summed (Block AttnRes / Block MHAR) and a site
 reads ``[s_0, finished block sums..., the current block's partial sum]``. One
 sublayer per block (the default, ``num_blocks=0``) is the full method. A final
-routing site precedes the final norm; the LM head is the tied embedding.
+routing site precedes the final norm. The LM head is the tied embedding, or a
+separate ``lm_head [V, D]`` with ``tie_embeddings=False``; ``qk_norm=False``
+drops the per-head QK-RMSNorm (Llama-style attention, for converted models).
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class TransformerConfig:
   hyper_streams: int = 4
   rope_theta: float = 1e4
   norm_eps: float = 1e-6
+  qk_norm: bool = True       # per-head QK-RMSNorm (Qwen3); False: Llama style
+  tie_embeddings: bool = True  # False: a separate lm_head [V, D]
   init_std: float = 0.02
   dtype: str = "bfloat16"
   param_dtype: str = "float32"
@@ -75,6 +79,9 @@ class TransformerConfig:
                 "hyper_streams"):
       if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
         bad(key, "must be a positive integer.")
+    for key in ("qk_norm", "tie_embeddings"):
+      if not isinstance(getattr(self, key), bool):
+        bad(key, "must be True or False.")
     if self.residual not in RESIDUALS:
       bad("residual", f"unknown residual scheme; choose one of {RESIDUALS}.")
     if self.num_heads % self.num_kv_heads:
@@ -140,7 +147,8 @@ class AttentionSublayer(nnx.Module):
                           cfg.head_dim, rope_theta=cfg.rope_theta,
                           eps=cfg.norm_eps, init_std=cfg.init_std,
                           implementation=cfg.attention_impl,
-                          dtype=cfg.compute_dtype, param_dtype=pd, rngs=rngs)
+                          dtype=cfg.compute_dtype, param_dtype=pd,
+                          qk_norm=cfg.qk_norm, rngs=rngs)
 
   def __call__(self, x, positions):
     return self.attn(self.norm(x), positions)
@@ -186,6 +194,10 @@ class Transformer(nnx.Module):
                             for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pd,
                               rngs=rngs)
+    if not cfg.tie_embeddings:
+      self.lm_head = param(rngs, normal(cfg.init_std),
+                           (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
+                           pd)
     n_sites = cfg.num_sublayers + 1
     if cfg.residual in ROUTED:
       self.routers = nnx.List([
@@ -237,7 +249,9 @@ class Transformer(nnx.Module):
       x = self._routed(h, subs, call, positions, routing, return_routing)
 
     x = self.final_norm(x)
-    logits = jnp.einsum("btd,vd->btv", x, emb,
+    head = (emb if cfg.tie_embeddings
+            else self.lm_head[...].astype(cfg.compute_dtype))
+    logits = jnp.einsum("btd,vd->btv", x, head,
                         preferred_element_type=jnp.float32)
     logits = constrain(logits, ("activation_batch", "activation_length",
                                 "activation_vocab"))
