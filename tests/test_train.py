@@ -139,13 +139,13 @@ def test_dry_run_prints_the_plan():
 
 
 @pytest.mark.slow
-def test_sigterm_saves_and_exits_zero(tmp_path):
+def test_sigterm_saves_exits_zero_and_resumes_bit_identically(tmp_path):
+  flags = [*TINY_FLAGS, "--config.train.steps=40", "--config.train.warmup_steps=2",
+           "--config.checkpoint.every=100000", "--config.eval.every=100000"]
   e = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
   e.pop("XLA_FLAGS", None)
-  p = subprocess.Popen([sys.executable, "-m", "mhar_jax.train", *TINY_FLAGS,
-                        "--config.train.steps=100000",
-                        "--config.checkpoint.every=100000",
-                        f"--workdir={tmp_path}"], cwd=ROOT, env=e,
+  p = subprocess.Popen([sys.executable, "-m", "mhar_jax.train", *flags,
+                        f"--workdir={tmp_path / 'stopped'}"], cwd=ROOT, env=e,
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                        text=True)
   try:
@@ -160,8 +160,19 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
   assert p.returncode == 0, out[-2000:]
   assert time.time() - t0 < 60
   assert "stop requested" in out
-  steps = [int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()]
-  assert steps and 0 < max(steps) < 100000
+  ckpts = tmp_path / "stopped" / "checkpoints"
+  steps = [int(d) for d in os.listdir(ckpts) if d.isdigit()]
+  assert steps and 0 < max(steps) < 40, steps
+  resumed = run_cli(*flags, f"--workdir={tmp_path / 'stopped'}")
+  assert resumed.returncode == 0 and "resumed from step" in resumed.stdout, (
+      resumed.stdout[-2000:] + resumed.stderr[-3000:])
+  straight = run_cli(*flags, f"--workdir={tmp_path / 'straight'}")
+  assert straight.returncode == 0, straight.stderr[-2000:]
+  a = read_scalars(str(tmp_path / "stopped" / "tensorboard"))
+  b = read_scalars(str(tmp_path / "straight" / "tensorboard"))
+  assert a["eval/val/loss"][-1] == b["eval/val/loss"][-1] == b["eval/val/loss"][0]
+  assert a["train/loss"][-1] == b["train/loss"][-1]
+  assert a["train/loss"][-1][0] == 40
 
 
 MULTI_FLAGS = TINY_FLAGS + ["--config.train.steps=6", "--config.train.warmup_steps=2", "--config.train.global_batch=8",
