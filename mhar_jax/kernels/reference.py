@@ -16,11 +16,13 @@ Memory: the forward saves only the sources themselves (which the caller keeps
 alive anyway), the per-source ``r`` and the weights ``w`` (``[S, ..., H]``), so a
 model that calls :func:`route` at every site with a growing list of sources pays
 one copy of the history, not one per site. The backward is written out by hand
-(``jax.custom_vjp``) so that this holds whatever XLA decides to fuse. Inside
-forward and backward the sources are stacked into one ``[S, ..., D]``
-temporary (freed after the site): that keeps the program O(1) operations per
-site, so deep models compile quickly, at the price of extra traffic the GPU
-kernels do not pay.
+(``jax.custom_vjp``) so that this holds whatever XLA decides to fuse. The
+forward stacks the sources into one ``[S, ..., D]`` temporary (freed after the
+site; O(1) operations per site, so deep models compile faster) at the price
+of traffic the GPU kernels do not pay. The backward works source by source
+and is tied to the incoming cotangent, because a stacked backward lets XLA
+keep every site's stacked gradients alive at once (measured: quadratic
+temporaries).
 
 All contractions are einsums over a ``(..., H, D/H)`` view, so with heads
 divisible by a mesh's model axis each head's softmax is local to a shard and
@@ -148,22 +150,27 @@ def _route_fwd(sources, query, norm_scale, num_heads, eps):
 def _route_bwd(num_heads, eps, res, g):
   del eps
   sources, query, norm_scale, w, r, u, t = res
-  st = jnp.stack(sources)
-  d = st.shape[-1]
-  sh = _heads(st, num_heads)                                 # [S, ..., H, C]
-  g = _heads(g, num_heads)                                   # [..., H, C]
-  dw = jnp.einsum("...hc,s...hc->s...h", g, sh)              # [S, ..., H]
-  dlogit = w * (dw - jnp.sum(w * dw, axis=0, keepdims=True))  # softmax
-  du = dlogit * r[..., None]                                 # d/du
-  dr = jnp.sum(dlogit * u, axis=-1)                          # d/dr, [S, ...]
-  ds = (jnp.einsum("s...h,...hc->s...hc", w, g)              # through the mix
-        + jnp.einsum("s...h,hc->s...hc", du, t)              # through u
-        - (dr * r**3 / d)[..., None, None] * sh)             # through r
-  ds = ds.reshape(st.shape).astype(st.dtype)
-  dt = jnp.einsum("s...h,s...hc->hc", du, sh).reshape(d)
+  sources, g = jax.lax.optimization_barrier((tuple(sources), g))
+  d = sources[0].shape[-1]
+  g = _heads(g, num_heads)
+  dw = jnp.stack([jnp.einsum("...hc,...hc->...h", g, _heads(s, num_heads))
+                  for s in sources])
+  dlogit = w * (dw - jnp.sum(w * dw, axis=0, keepdims=True))
+  du = dlogit * r[..., None]
+  dr = jnp.sum(dlogit * u, axis=-1)
+  dt = jnp.zeros_like(t)
+  dsources = []
+  for s, wi, dui, dri, ri in zip(sources, w, du, dr, r):
+    sh = _heads(s, num_heads)
+    dt = dt + jnp.einsum("...h,...hc->hc", dui, sh)
+    ds = (jnp.einsum("...h,...hc->...hc", wi, g)
+          + jnp.einsum("...h,hc->...hc", dui, t)
+          - (dri * ri**3 / d)[..., None, None] * sh)
+    dsources.append(ds.reshape(s.shape).astype(s.dtype))
+  dt = dt.reshape(d)
   dquery = (dt * norm_scale.astype(jnp.float32)).astype(query.dtype)
   dscale = (dt * query.astype(jnp.float32)).astype(norm_scale.dtype)
-  return tuple(ds[i] for i in range(len(sources))), dquery, dscale
+  return tuple(dsources), dquery, dscale
 
 
 _route.defvjp(_route_fwd, _route_bwd)
