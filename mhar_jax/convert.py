@@ -278,7 +278,8 @@ def hf_architecture(hf: dict, where: str = "config.json") -> dict[str, Any]:
   rope_type = (rope.get("rope_type") or rope.get("type")
                or scaling.get("rope_type") or scaling.get("type") or "default")
   if rope_type != "default":
-    key = "rope_parameters" if "rope_parameters" in hf else "rope_scaling"
+    key = "rope_parameters" if rope.get("rope_type", rope.get("type")) \
+        else "rope_scaling"
     bad(key, f"RoPE scaling type {rope_type!r} is not implemented (only plain"
         " RoPE, rope_type 'default'): converting would change the model's"
         " function.")
