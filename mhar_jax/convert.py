@@ -376,7 +376,11 @@ IGNORED_HF = (".rotary_emb.inv_freq",)   # buffers some old exports contain
 def read_hf(path: str):
   """``(architecture fields, hf config, flat params as float32 numpy)``."""
   import jax
-  from safetensors import safe_open
+  try:
+    from safetensors import safe_open
+  except ImportError as e:
+    raise ConversionError("reading Hugging Face checkpoints needs the"
+                          " safetensors package: pip install safetensors") from e
   from mhar_jax.layers import TransformerConfig
   cfg_path = os.path.join(path, "config.json")
   with open(cfg_path) as f:
