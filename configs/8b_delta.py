@@ -8,7 +8,10 @@ blocks. Sequence length 4096.
 The paper's mid-training recipe: peak lr 4e-4 reached again after a 1000-step
 re-warm-up (the converter starts the run at step 0 with a fresh AdamW state),
 weight decay 0.05, z-loss 1e-4, cosine to 0.1x. 10,000 steps of 256 x 4096
-tokens = 10.5B tokens (the paper mid-trains ~10B).
+tokens = 10.5B tokens (the paper mid-trains ~10B), each step as 128
+micro-batches of 2 sequences (grad_accum; the dry run's CPU memory estimate,
+which ignores remat, is then ~101 GiB per device: see docs/convert.md; on GPU
+a smaller grad_accum may fit).
 
 Start from a converted checkpoint (docs/convert.md)::
 
@@ -35,7 +38,7 @@ def get_config():
                  tie_embeddings=False, residual="delta", routing_heads=8,
                  num_blocks=8, dtype="bfloat16", param_dtype="float32",
                  remat=True)
-  c.train.update(steps=10_000, global_batch=256, seq_len=4096, grad_accum=32,
+  c.train.update(steps=10_000, global_batch=256, seq_len=4096, grad_accum=128,
                  lr=4e-4, warmup_steps=1000, final_lr_ratio=0.1,
                  weight_decay=0.05, z_loss=1e-4)
   c.mesh.update(data=1, model=8)

@@ -375,3 +375,44 @@ def test_fresh_opt_state_equals_tx_init():
   got = convert.fresh_opt_state(tx, p)
   assert jax.tree.structure(want) == jax.tree.structure(got)
   jax.tree.map(np.testing.assert_array_equal, want, got)
+
+
+def test_processes_flag_writes_a_data_state_per_process(prenorm_run, tmp_path):
+  src, _ = prenorm_run
+  dst = tmp_path / "out"
+  convert.convert(str(src), str(dst), processes=2)
+  step = dst / "checkpoints" / "0"
+  for i in (0, 1):
+    assert json.loads((step / "data" / f"process_{i}.json").read_text()) == {
+        "next_index": 0}
+  assert json.loads((step / "meta" / "meta.json").read_text())[
+      "process_count"] == 2
+
+
+LLAMA_31_8B = {   # Meta's config.json of Llama-3.1-8B
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0, "tie_word_embeddings": False,
+    "vocab_size": 128256,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192,
+                     "rope_type": "llama3"}}
+
+
+def test_8b_delta_preset_matches_the_llama_31_8b_architecture():
+  import pathlib
+  path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "8b_delta.py"
+  with pytest.raises(convert.ConversionError, match="'llama3' is not implemented"):
+    convert.hf_architecture(LLAMA_31_8B)
+  arch = convert.hf_architecture(dict(LLAMA_31_8B, rope_scaling=None))
+  file_cfg = convert._config_json(convert.load_config_file(str(path)))
+  cfg, full = convert.target_config(
+      {k: arch[k] for k in convert.ARCH_KEYS}, file_cfg, routing_heads=None,
+      num_blocks=None, from_file=True, where="config.json")
+  assert cfg == model_config(convert.load_config_file(str(path)))
+  assert (cfg.residual, cfg.routing_heads, cfg.num_blocks) == ("delta", 8, 8)
+  assert full["train"]["lr"] == 4e-4 and full["train"]["z_loss"] == 1e-4
