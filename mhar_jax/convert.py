@@ -487,7 +487,7 @@ def delta_params(cfg, shared: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
       problems.append(f"{path}: expected shape {_shape(sd)}, found"
                       f" {_shape(shared[path])}")
     else:
-      params[path] = np.asarray(shared[path]).astype(sd.dtype)
+      params[path] = np.asarray(shared[path]).astype(sd.dtype, copy=False)
   extra = sorted(p for p in shared if p not in want)
   problems += [f"{p}: not a parameter of the delta model" for p in extra]
   if problems:
