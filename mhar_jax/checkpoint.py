@@ -313,13 +313,11 @@ class Checkpointer:
         self._async = async_save
         self._pending: int | None = None
         self._pid = jax.process_index()
-        policy = (
-            ocp.checkpoint_managers.LatestN(n=max_to_keep)
-            if max_to_keep is not None
-            else ocp.checkpoint_managers.PreserveAll()
-        )
+        # No policy keeps every step (PreserveAll is not exported by Orbax 0.12.8).
+        policy = {} if max_to_keep is None else {
+            "preservation_policy": ocp.checkpoint_managers.LatestN(n=max_to_keep)}
         options = ocp.CheckpointManagerOptions(
-            preservation_policy=policy,
+            **policy,
             enable_async_checkpointing=async_save,
             async_options=ocp.AsyncOptions(timeout_secs=int(save_timeout_secs)),
             cleanup_tmp_directories=True,  # drop leftovers of crashed saves
