@@ -40,12 +40,8 @@ SCHEMES = {
 
 
 def load_preset(name):
-  import importlib.util
-  spec = importlib.util.spec_from_file_location(
-      name, os.path.join(ROOT, "configs", f"{name}.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config()
+  from mhar_jax.config import load_config_file
+  return load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
 
 
 def child(preset: str, scheme: str, steps: int, warmup: int,

@@ -6,14 +6,9 @@ to 0.1x over 20K steps. MHAR with 8 heads by default; pick the scheme with
 --config.model.residual=prenorm|hyper|attnres|mhar and --config.model.routing_heads.
 """
 
-from mhar_jax.config import base_config
+from mhar_jax.config import paper_preset
 
 
 def get_config():
-  c = base_config()
-  c.model.update(vocab_size=151_936, d_model=1024, num_layers=24, num_heads=16,
-                 num_kv_heads=8, head_dim=64, ffn_dim=4096, max_seq_len=1024,
-                 residual="mhar", routing_heads=8, dtype="bfloat16")
-  c.train.update(steps=20_000, global_batch=32, seq_len=1024, lr=5e-4,
-                 warmup_steps=1000, final_lr_ratio=0.1)
-  return c
+  return paper_preset(d_model=1024, num_layers=24, num_heads=16, num_kv_heads=8,
+                      head_dim=64, ffn_dim=4096, seq_len=1024, global_batch=32)

@@ -8,6 +8,7 @@ every error names the offending key and value.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 
@@ -68,6 +69,31 @@ def base_config() -> ml_collections.ConfigDict:
   c.log.every = 10
   c.log.routing_every = 500       # routing entropy per site (routed schemes)
   return c
+
+
+def paper_preset(*, d_model: int, num_layers: int, num_heads: int,
+                 num_kv_heads: int, head_dim: int, ffn_dim: int, seq_len: int,
+                 global_batch: int) -> ml_collections.ConfigDict:
+  """A preset of the paper (DESIGN.md §2): the Qwen3-style decoder at the
+  given size with vocabulary 151,936, bf16 compute, MHAR with 8 heads, and the
+  recipe (AdamW 5e-4, 1000 warm-up steps, cosine to 0.1x over 20K steps)."""
+  c = base_config()
+  c.model.update(vocab_size=151_936, d_model=d_model, num_layers=num_layers,
+                 num_heads=num_heads, num_kv_heads=num_kv_heads,
+                 head_dim=head_dim, ffn_dim=ffn_dim, max_seq_len=seq_len,
+                 residual="mhar", routing_heads=8, dtype="bfloat16")
+  c.train.update(steps=20_000, global_batch=global_batch, seq_len=seq_len,
+                 lr=5e-4, warmup_steps=1000, final_lr_ratio=0.1)
+  return c
+
+
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+  """``get_config()`` of a config file, as ``--config=path`` loads it."""
+  spec = importlib.util.spec_from_file_location(
+      os.path.splitext(os.path.basename(path))[0], path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config()
 
 
 def model_config(c: ml_collections.ConfigDict) -> TransformerConfig:

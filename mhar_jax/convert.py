@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
-import importlib.util
 import json
 import logging
 import os
@@ -125,10 +124,8 @@ def load_config_file(path: str):
   """``get_config()`` of a config file (like ``--config`` of the trainer)."""
   if not os.path.isfile(path):
     raise ConversionError(f"--config={path!r}: no such file.")
-  spec = importlib.util.spec_from_file_location("_convert_config", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config()
+  from mhar_jax import config
+  return config.load_config_file(path)
 
 
 def _config_json(cfg) -> dict:

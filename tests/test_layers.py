@@ -1,6 +1,5 @@
 """Modules and the decoder: shapes, dtypes, schemes, parameter counts, validation."""
 
-import importlib.util
 import pathlib
 
 import chex
@@ -170,10 +169,8 @@ def test_mhar_adds_no_parameters(heads):
 
 
 def load_preset(name):
-  spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config()
+  from mhar_jax.config import load_config_file
+  return load_config_file(str(ROOT / "configs" / f"{name}.py"))
 
 
 def abstract_count(cfg):
