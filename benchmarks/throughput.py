@@ -14,12 +14,20 @@ the ratios to ``prenorm`` of the same preset measured in the same run.
 
 Schemes: ``prenorm``, ``hyper``, ``attnres``, ``mhar`` (H=8), ``mhar_b8``
 (H=8, 8 blocks); append ``:reference`` or ``:triton`` to force the routing
-implementation (e.g. ``mhar:reference``).
+implementation (e.g. ``mhar:reference``). Presets are config files in
+``configs/`` (``100m``, ``350m``, ``1b``, ``bench100m``, ...).
+
+Two phases: first every (preset, scheme) is compiled ahead of time, up to
+``--compile_jobs`` processes at once (XLA's compile is host work), into JAX's
+persistent compilation cache (``--cache_dir``); then each is timed alone, in
+turn, loading its executable from that cache. The compile time reported is
+the first phase's.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -45,7 +53,8 @@ def load_preset(name):
 
 
 def child(preset: str, scheme: str, steps: int, warmup: int,
-          micro_tokens: int, routing_impl: str) -> dict:
+          micro_tokens: int, routing_impl: str, cache_dir: str,
+          compile_only: bool) -> dict:
   t_start = time.time()
 
   def phase(msg):
@@ -53,7 +62,12 @@ def child(preset: str, scheme: str, steps: int, warmup: int,
           file=sys.stderr, flush=True)
 
   import jax
+  import jax.numpy as jnp
   import numpy as np
+  if cache_dir:
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   from mhar_jax import parallel, training
   from mhar_jax.config import validate
   phase(f"jax imported, {jax.devices()[0].device_kind}")
@@ -76,6 +90,16 @@ def child(preset: str, scheme: str, steps: int, warmup: int,
   state_sh = training.state_shardings_for(model_cfg, tx, mesh)
   batch_sh = parallel.batch_sharding(mesh)
   step = training.make_train_step(gdef, tx, t, state_sh, batch_sh)
+  abstract = training.abstract_state(model_cfg, tx, state_sh)
+  batch_spec = {k: jax.ShapeDtypeStruct((t.global_batch, t.seq_len), jnp.int32,
+                                        sharding=batch_sh)
+                for k in ("inputs", "targets")}
+  t0 = time.time()
+  step = step.lower(abstract, batch_spec).compile()
+  compile_s = time.time() - t0
+  phase(f"compiled in {compile_s:.1f}s")
+  if compile_only:
+    return {"preset": preset, "scheme": scheme, "compile_s": compile_s}
   state = training.init_state(model_cfg, tx, 0, state_sh)
   jax.block_until_ready(state)
   phase("state initialised")
@@ -84,11 +108,9 @@ def child(preset: str, scheme: str, steps: int, warmup: int,
                                              (t.global_batch, t.seq_len),
                                              dtype=np.int32), batch_sh)
               for k in ("inputs", "targets")} for _ in range(2)]
-  t0 = time.time()
   state, m = step(state, batches[0])
   jax.block_until_ready(m)
-  compile_s = time.time() - t0
-  phase(f"first step (compile) {compile_s:.1f}s")
+  phase("first step done")
   for i in range(warmup):
     state, m = step(state, batches[i % 2])
   jax.block_until_ready(m)
@@ -112,8 +134,37 @@ def child(preset: str, scheme: str, steps: int, warmup: int,
           "tokens_per_s": tokens / med,
           "mfu": tokens / med * fpt / peak if peak else None,
           "peak_bytes": stats.get("peak_bytes_in_use"),
-          "compile_s": compile_s, "loss": float(m["loss"]),
+          "load_s": compile_s, "loss": float(m["loss"]),
           "device": devices[0].device_kind}
+
+
+def run_child(run: str, a, compile_only: bool, timeout: int):
+  """Runs one child process; returns (result dict or None, message)."""
+  cmd = [sys.executable, __file__, "--child", run,
+         "--steps", str(a.steps), "--warmup", str(a.warmup),
+         "--micro_tokens", str(a.micro_tokens),
+         "--routing_impl", a.routing_impl, "--cache_dir", a.cache_dir]
+  env = dict(os.environ)
+  if compile_only:
+    cmd.append("--compile_only")
+    # Several compiling processes share the GPU: none may preallocate it.
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+  t0 = time.time()
+  with tempfile.TemporaryFile("w+") as err:
+    try:
+      p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                         timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+      err.seek(0)
+      phases = [l for l in err.read().splitlines() if l.startswith("[")]
+      return None, (f"{run} TIMED OUT after {timeout}s; phases:\n  "
+                    + "\n  ".join(phases))
+    err.seek(0)
+    stderr = err.read()
+  lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+  if p.returncode or not lines:
+    return None, f"{run} FAILED ({time.time() - t0:.0f}s):\n" + stderr[-3000:]
+  return json.loads(lines[-1][7:]), f"wall {time.time() - t0:.0f}s"
 
 
 def main():
@@ -126,52 +177,54 @@ def main():
                   help="largest microbatch in tokens (grad accumulation above)")
   ap.add_argument("--routing_impl", default="auto")
   ap.add_argument("--json", default="", help="also write results here")
-  ap.add_argument("--timeout", type=int, default=600,
-                  help="seconds allowed per (preset, scheme) process")
+  ap.add_argument("--compile_jobs", type=int, default=4,
+                  help="processes compiling at once in the first phase")
+  ap.add_argument("--cache_dir", default="/tmp/mhar_jax_bench_cache",
+                  help="JAX persistent compilation cache shared by the phases")
+  ap.add_argument("--compile_timeout", type=int, default=900,
+                  help="seconds allowed per compile process")
+  ap.add_argument("--timeout", type=int, default=300,
+                  help="seconds allowed per timing process")
   ap.add_argument("--budget", type=int, default=0,
-                  help="stop starting new runs after this many seconds")
+                  help="stop starting timing runs after this many seconds")
   ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+  ap.add_argument("--compile_only", action="store_true", help=argparse.SUPPRESS)
   a = ap.parse_args()
   if a.child:
     preset, scheme = a.child.split("/")
     print("RESULT " + json.dumps(child(preset, scheme, a.steps, a.warmup,
-                                       a.micro_tokens, a.routing_impl)),
+                                       a.micro_tokens, a.routing_impl,
+                                       a.cache_dir, a.compile_only)),
           flush=True)
     return
-  results = []
   start = time.time()
-  runs = [(p, s) for p in a.presets.split(",") for s in a.schemes.split(",")]
-  for preset, scheme in runs:
+  runs = [f"{p}/{s}" for p in a.presets.split(",") for s in a.schemes.split(",")]
+  compile_s = {}
+  with concurrent.futures.ThreadPoolExecutor(a.compile_jobs) as pool:
+    futures = {pool.submit(run_child, r, a, True, a.compile_timeout): r
+               for r in runs}
+    for f in concurrent.futures.as_completed(futures):
+      r, msg = f.result()
+      run = futures[f]
+      if r:
+        compile_s[run] = r["compile_s"]
+        msg = f"compiled in {r['compile_s']:.0f}s ({msg})"
+      print(f"[{time.time() - start:5.0f}s] {run}: {msg}", flush=True)
+  results = []
+  for run in runs:
+    if run not in compile_s:
+      continue
     if a.budget and time.time() - start > a.budget:
-      print(f"{preset}/{scheme} SKIPPED (budget of {a.budget}s spent)")
+      print(f"{run} SKIPPED (budget of {a.budget}s spent)", flush=True)
       continue
-    cmd = [sys.executable, __file__, "--child", f"{preset}/{scheme}",
-           "--steps", str(a.steps), "--warmup", str(a.warmup),
-           "--micro_tokens", str(a.micro_tokens),
-           "--routing_impl", a.routing_impl]
-    t0 = time.time()
-    with tempfile.TemporaryFile("w+") as err:
-      try:
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
-                           timeout=a.timeout)
-      except subprocess.TimeoutExpired:
-        err.seek(0)
-        phases = [l for l in err.read().splitlines() if l.startswith("[")]
-        print(f"{preset}/{scheme} TIMED OUT after {a.timeout}s; phases:\n  "
-              + "\n  ".join(phases), flush=True)
-        continue
-      err.seek(0)
-      p.stderr = err.read()
-    lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
-    if p.returncode or not lines:
-      print(f"{preset}/{scheme} FAILED ({time.time() - t0:.0f}s):\n"
-            + p.stderr[-3000:], flush=True)
+    r, msg = run_child(run, a, False, a.timeout)
+    if r is None:
+      print(msg, flush=True)
       continue
-    r = json.loads(lines[-1][7:])
+    r["compile_s"] = compile_s[run]
     results.append(r)
-    print(f"{preset}/{scheme}: {r['tokens_per_s']:,.0f} tok/s,"
-          f" compile {r['compile_s']:.0f}s, wall {time.time() - t0:.0f}s",
-          flush=True)
+    print(f"[{time.time() - start:5.0f}s] {run}: {r['tokens_per_s']:,.0f}"
+          f" tok/s, cache load {r['load_s']:.0f}s, {msg}", flush=True)
     if a.json:
       with open(a.json, "w") as f:
         json.dump(results, f, indent=1)
@@ -180,9 +233,9 @@ def main():
 
 def print_table(results):
   base = {r["preset"]: r for r in results if r["scheme"] == "prenorm"}
-  print("\n| preset | scheme | routing | accum | step ms | tokens/s | MFU |"
-        " peak GiB | tok/s ratio | mem ratio |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
+  print("\n| preset | scheme | routing | accum | compile s | step ms |"
+        " tokens/s | MFU | peak GiB | tok/s ratio | mem ratio |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   for r in results:
     b = base.get(r["preset"])
     ratio = r["tokens_per_s"] / b["tokens_per_s"] if b else float("nan")
@@ -191,7 +244,8 @@ def print_table(results):
     mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"
     peak = f"{r['peak_bytes'] / 2**30:.1f}" if r["peak_bytes"] else "-"
     print(f"| {r['preset']} | {r['scheme']} | {r['routing']} |"
-          f" {r['grad_accum']} | {r['step_s'] * 1e3:.1f} |"
+          f" {r['grad_accum']} | {r['compile_s']:.0f} |"
+          f" {r['step_s'] * 1e3:.1f} |"
           f" {r['tokens_per_s']:,.0f} | {mfu} | {peak} | {ratio:.3f} |"
           f" {mem:.3f} |")
 

@@ -434,8 +434,10 @@ def detect_format(path: str) -> str:
 
 
 def target_config(src_model: dict, base: dict, *, routing_heads: int | None,
-                  num_blocks: int | None, from_file: bool, where: str):
-  """The delta model config and the full config dict to train it with.
+                  num_blocks: int | None, from_file: bool, where: str,
+                  residual: str = "delta"):
+  """The target model config (``residual``: ``delta``, or ``prenorm`` for a
+  plain restart of the same model) and the full config dict to train it with.
 
   ``src_model``: the source's model fields; ``base``: the full config dict
   whose ``model`` section provides the non-architecture fields (the source
@@ -458,8 +460,11 @@ def target_config(src_model: dict, base: dict, *, routing_heads: int | None,
   if num_blocks is None:
     num_blocks = (model.get("num_blocks") or min(8, n_sub) if from_file
                   else min(8, n_sub))
-  model.update(residual="delta", routing_heads=int(routing_heads),
-               num_blocks=int(num_blocks))
+  if residual == "delta":
+    model.update(residual=residual, routing_heads=int(routing_heads),
+                 num_blocks=int(num_blocks))
+  else:
+    model.update(residual=residual)
   try:
     cfg = TransformerConfig.from_dict(model)
   except ValueError as e:
@@ -598,8 +603,12 @@ def write_workdir(tmp: str, cfg, full: dict, params: dict[str, np.ndarray],
 def convert(src: str, dst: str, *, fmt: str = "auto",
             routing_heads: int | None = None, num_blocks: int | None = None,
             config: str | None = None, processes: int = 1,
-            dtype: str | None = None) -> dict:
+            dtype: str | None = None, residual: str = "delta") -> dict:
   """Converts ``src`` into a delta-scheme trainer workdir ``dst``.
+
+  ``residual="prenorm"`` writes the source model unchanged into the same kind
+  of step-0 workdir (fresh optimiser, schedule from step 0): the plain
+  continued-training control for a delta conversion.
 
   Returns a summary dict (``model_cfg``, ``config_path``, ``command``, ...).
   Raises ConversionError; ``dst`` is untouched unless it succeeds.
@@ -609,6 +618,8 @@ def convert(src: str, dst: str, *, fmt: str = "auto",
     raise ConversionError(f"--format={fmt!r}: choose auto, mhar or hf.")
   if processes < 1:
     raise ConversionError(f"--processes={processes}: must be >= 1.")
+  if residual not in ("delta", "prenorm"):
+    raise ConversionError(f"--residual={residual!r}: choose delta or prenorm.")
   dst = os.path.abspath(dst)
   if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
     raise ConversionError(f"--to={dst!r} exists and is not an empty directory;"
@@ -645,10 +656,11 @@ def convert(src: str, dst: str, *, fmt: str = "auto",
     base = dict(base, model=dict(base["model"], dtype=dtype))
   cfg, full = target_config(src_model, base, routing_heads=routing_heads,
                             num_blocks=num_blocks,
-                            from_file=file_cfg is not None, where=where)
+                            from_file=file_cfg is not None, where=where,
+                            residual=residual)
   params = delta_params(cfg, shared)
   del shared
-  provenance.update(residual="delta", routing_heads=cfg.routing_heads,
+  provenance.update(residual=residual, routing_heads=cfg.routing_heads,
                     num_blocks=cfg.num_blocks)
 
   parent = os.path.dirname(dst)
@@ -681,6 +693,13 @@ def convert(src: str, dst: str, *, fmt: str = "auto",
                       f" --config={config_path} --workdir={dst}")}
 
 
+def describe(cfg) -> str:
+  if cfg.residual == "delta":
+    return (f"delta: routing heads {cfg.routing_heads}, {cfg.num_blocks}"
+            " blocks")
+  return cfg.residual
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(
       prog="python -m mhar_jax.convert",
@@ -706,6 +725,10 @@ def main(argv=None) -> int:
                  help="override model.dtype (compute dtype) of the output")
   p.add_argument("--processes", type=int, default=1,
                  help="number of processes that will resume the run")
+  p.add_argument("--residual", default="delta", choices=("delta", "prenorm"),
+                 help="target scheme: delta (default), or prenorm to restart"
+                 " the unchanged model at step 0 (the plain continued-training"
+                 " control)")
   a = p.parse_args(argv)
   logging.getLogger("absl").setLevel(logging.ERROR)
   try:
@@ -717,7 +740,7 @@ def main(argv=None) -> int:
   try:
     r = convert(a.src, a.dst, fmt=a.format, routing_heads=a.routing_heads,
                 num_blocks=a.num_blocks, config=a.config,
-                processes=a.processes, dtype=a.dtype)
+                processes=a.processes, dtype=a.dtype, residual=a.residual)
   except ConversionError as e:
     print(f"mhar_jax.convert: {e}", file=sys.stderr)
     return 1
@@ -726,9 +749,9 @@ def main(argv=None) -> int:
   what = (f"prenorm checkpoint step {src['step']}" if r["format"] == "mhar"
           else f"Hugging Face {src['model_type']} checkpoint")
   print(f"converted {what} {src['source']}\n"
-        f"       -> {r['workdir']} (delta: routing heads {cfg.routing_heads},"
-        f" {cfg.num_blocks} blocks; {r['params']:,} parameters of which"
-        f" {r['delta_params']:,} delta-only; step 0) in {time.time() - t0:.1f} s\n"
+        f"       -> {r['workdir']} ({describe(cfg)}; {r['params']:,}"
+        f" parameters of which {r['delta_params']:,} delta-only; step 0) in"
+        f" {time.time() - t0:.1f} s\n"
         f"resume with:\n  {r['command']}")
   return 0
 

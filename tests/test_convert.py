@@ -143,6 +143,24 @@ def test_converted_workdir_resumes_in_the_trainer(prenorm_run, tmp_path):
                 if s.isdigit()) == [0, 2]
 
 
+def test_prenorm_target_restarts_the_same_model_at_step_0(prenorm_run,
+                                                         tmp_path):
+  """``--residual prenorm``: the control for a delta conversion, same
+  parameters and logits, fresh optimiser, step 0, resumable."""
+  src, params = prenorm_run
+  dst = tmp_path / "plain"
+  assert convert.main(["--from", str(src), "--to", str(dst),
+                       "--residual", "prenorm"]) == 0
+  cfg, m, state, data, meta = restore_converted(dst)
+  assert m == model_config(prenorm_config())
+  assert meta["step"] == 0 and meta["converted_from"]["residual"] == "prenorm"
+  jax.tree.map(np.testing.assert_array_equal, state["params"], params)
+  for leaf in jax.tree.leaves(state["opt_state"]):
+    assert not np.any(np.asarray(leaf))
+  cfg.train.update(steps=1, warmup_steps=1)
+  assert make_trainer(cfg, dst).run()["step"] == 1
+
+
 def test_latest_readable_step_is_used(prenorm_run, tmp_path):
   src, _ = prenorm_run
   wd = tmp_path / "run"
