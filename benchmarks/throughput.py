@@ -33,6 +33,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,6 +172,9 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--presets", default="100m")
   ap.add_argument("--schemes", default="prenorm,hyper,attnres,mhar,mhar_b8")
+  ap.add_argument("--runs", default="",
+                  help="explicit PRESET/SCHEME list (instead of presets x"
+                  " schemes), timed in this order")
   ap.add_argument("--steps", type=int, default=10)
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--micro_tokens", type=int, default=16384,
@@ -183,6 +187,9 @@ def main():
                   help="JAX persistent compilation cache shared by the phases")
   ap.add_argument("--compile_timeout", type=int, default=900,
                   help="seconds allowed per compile process")
+  ap.add_argument("--compile_wait", type=int, default=900,
+                  help="start timing after this many seconds even if some"
+                  " runs are still compiling (those are timed last)")
   ap.add_argument("--timeout", type=int, default=300,
                   help="seconds allowed per timing process")
   ap.add_argument("--budget", type=int, default=0,
@@ -198,21 +205,34 @@ def main():
           flush=True)
     return
   start = time.time()
-  runs = [f"{p}/{s}" for p in a.presets.split(",") for s in a.schemes.split(",")]
-  compile_s = {}
-  with concurrent.futures.ThreadPoolExecutor(a.compile_jobs) as pool:
-    futures = {pool.submit(run_child, r, a, True, a.compile_timeout): r
-               for r in runs}
-    for f in concurrent.futures.as_completed(futures):
-      r, msg = f.result()
-      run = futures[f]
-      if r:
-        compile_s[run] = r["compile_s"]
-        msg = f"compiled in {r['compile_s']:.0f}s ({msg})"
-      print(f"[{time.time() - start:5.0f}s] {run}: {msg}", flush=True)
-  results = []
+  runs = (a.runs.split(",") if a.runs else
+          [f"{p}/{s}" for p in a.presets.split(",") for s in a.schemes.split(",")])
+  compile_s, lock = {}, threading.Lock()
+  pool = concurrent.futures.ThreadPoolExecutor(a.compile_jobs)
+  futures = {r: pool.submit(run_child, r, a, True, a.compile_timeout)
+             for r in runs}
+
+  def compiled(run):
+    r, msg = futures[run].result()
+    with lock:
+      if run not in compile_s:
+        compile_s[run] = r and r["compile_s"]
+        msg = f"compiled in {r['compile_s']:.0f}s ({msg})" if r else msg
+        print(f"[{time.time() - start:5.0f}s] {run}: {msg}", flush=True)
+    return compile_s[run]
+
+  concurrent.futures.wait(futures.values(), timeout=a.compile_wait)
   for run in runs:
-    if run not in compile_s:
+    if futures[run].done():
+      compiled(run)
+  # Timing in the given order; runs still compiling go last (their timings
+  # may overlap other compiles, which the results mark).
+  order = ([r for r in runs if futures[r].done()]
+           + [r for r in runs if not futures[r].done()])
+  results = []
+  for run in order:
+    overlapped = not all(f.done() for f in futures.values())
+    if not compiled(run):
       continue
     if a.budget and time.time() - start > a.budget:
       print(f"{run} SKIPPED (budget of {a.budget}s spent)", flush=True)
@@ -222,12 +242,15 @@ def main():
       print(msg, flush=True)
       continue
     r["compile_s"] = compile_s[run]
+    r["timed_during_compiles"] = overlapped
     results.append(r)
     print(f"[{time.time() - start:5.0f}s] {run}: {r['tokens_per_s']:,.0f}"
-          f" tok/s, cache load {r['load_s']:.0f}s, {msg}", flush=True)
+          f" tok/s, cache load {r['load_s']:.0f}s, {msg}"
+          + (" (other runs were compiling)" if overlapped else ""), flush=True)
     if a.json:
       with open(a.json, "w") as f:
         json.dump(results, f, indent=1)
+  pool.shutdown(wait=False, cancel_futures=True)
   print_table(results)
 
 
@@ -243,7 +266,8 @@ def print_table(results):
            if b and r["peak_bytes"] and b["peak_bytes"] else float("nan"))
     mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"
     peak = f"{r['peak_bytes'] / 2**30:.1f}" if r["peak_bytes"] else "-"
-    print(f"| {r['preset']} | {r['scheme']} | {r['routing']} |"
+    mark = "*" if r.get("timed_during_compiles") else ""
+    print(f"| {r['preset']} | {r['scheme']}{mark} | {r['routing']} |"
           f" {r['grad_accum']} | {r['compile_s']:.0f} |"
           f" {r['step_s'] * 1e3:.1f} |"
           f" {r['tokens_per_s']:,.0f} | {mfu} | {peak} | {ratio:.3f} |"

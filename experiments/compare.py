@@ -14,8 +14,9 @@ figures, not the scheme's speed: take speed from benchmarks/throughput.py).
 Each run's console log is ``ROOT/NAME/train.log`` and its command
 ``ROOT/NAME/command.txt``. ``--analyze NAME`` runs ``python -m
 mhar_jax.analyze`` on that run when it is done. ``--delta_demo STEPS``
-continues the finished ``prenorm`` run for STEPS steps twice from its final
-checkpoint, converted to the delta scheme and unchanged (both through
+continues the finished ``--delta_demo_base`` run (default ``prenorm``) for STEPS steps twice from its final
+checkpoint (one after the other, in that run's job slot), converted to the
+delta scheme and unchanged (both through
 ``python -m mhar_jax.convert``, fresh optimiser, the mid-training recipe of
 ``DEMO_OVERRIDES``). ``--pack`` re-writes a tarball of everything but the
 checkpoints after every finished run, so a run cut short still reports what
@@ -136,9 +137,10 @@ def cmd_run(a):
     if n not in RUNS:
       sys.exit(f"compare.py: --runs: unknown run {n!r}; choose from"
                f" {', '.join(RUNS)}.")
-  if a.delta_demo and "prenorm" not in names:
-    sys.exit("compare.py: --delta_demo continues the 'prenorm' run; add it to"
-             " --runs.")
+  if a.delta_demo and (a.delta_demo_base not in names or
+                       RUNS[a.delta_demo_base]["model.residual"] != "prenorm"):
+    sys.exit(f"compare.py: --delta_demo_base={a.delta_demo_base!r} must be a"
+             " prenorm run named in --runs.")
   root = os.path.abspath(a.root)
   runner = Runner(root, a.jobs, a.pack and os.path.abspath(a.pack))
   extra = dict(kv.split("=", 1) for kv in a.set)
@@ -151,8 +153,8 @@ def cmd_run(a):
       runner.step(name, [sys.executable, "-m", "mhar_jax.analyze",
                          f"--workdir={os.path.join(root, name)}"],
                   "analyze.log")
-    if ok and name == "prenorm" and a.delta_demo:
-      delta_demo(runner, root, a.delta_demo, extra)
+    if ok and name == a.delta_demo_base and a.delta_demo:
+      delta_demo(runner, root, name, a.delta_demo, extra)
     return ok
 
   with concurrent.futures.ThreadPoolExecutor(a.jobs) as pool:
@@ -161,9 +163,9 @@ def cmd_run(a):
   runner.repack()
 
 
-def delta_demo(runner: Runner, root: str, steps: int, extra: dict):
-  """Continues ``root/prenorm`` as ``demo_delta`` and ``demo_plain``."""
-  base = os.path.join(root, "prenorm")
+def delta_demo(runner: Runner, root: str, base: str, steps: int, extra: dict):
+  """Continues ``root/base`` as ``demo_delta`` and ``demo_plain``."""
+  base = os.path.join(root, base)
   overrides = {**DEMO_OVERRIDES, "train.steps": steps,
                "train.warmup_steps": steps // 20,
                **{k: v for k, v in extra.items() if k != "train.steps"}}
@@ -183,12 +185,9 @@ def delta_demo(runner: Runner, root: str, steps: int, extra: dict):
     if rc == 0:
       runner.train(name, os.path.join(dst, "config.py"), overrides, residual)
 
-  threads = [threading.Thread(target=branch, args=a)
-             for a in (("demo_delta", "delta"), ("demo_plain", "prenorm"))]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join()
+  # In turn: this thread holds one of the --jobs slots of the device.
+  branch("demo_delta", "delta")
+  branch("demo_plain", "prenorm")
 
 
 # -- report ------------------------------------------------------------------------
@@ -330,6 +329,8 @@ def main():
   r.add_argument("--analyze", default="", help="runs to analyse when done")
   r.add_argument("--delta_demo", type=int, default=0,
                  help="steps of the delta demonstration (0: none)")
+  r.add_argument("--delta_demo_base", default="prenorm",
+                 help="the prenorm run the demonstration continues")
   r.add_argument("--pack", default="", help="tarball of the results")
   p = sub.add_parser("report")
   p.add_argument("--root", default="workdirs/compare")

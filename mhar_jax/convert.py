@@ -151,7 +151,11 @@ def _restore_params(state_dir: str, found: dict[str, Any]) -> dict[str, np.ndarr
   """Reads only ``params`` of a saved training state as numpy arrays."""
   import jax
   import orbax.checkpoint as ocp
-  cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+  try:
+    device = jax.devices("cpu")[0]
+  except RuntimeError:      # JAX_PLATFORMS names only an accelerator
+    device = jax.local_devices()[0]
+  cpu = jax.sharding.SingleDeviceSharding(device)
   item = {"params": {}}
   for path, m in found.items():
     node = item["params"]
