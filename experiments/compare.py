@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import math
 import os
 import subprocess
 import sys
@@ -202,7 +203,10 @@ def read_run(wd: str) -> dict | None:
     return None
   info = json.load(open(os.path.join(wd, "run.json")))
   tok = [v for _, v in s.get("train/tokens_per_s", [])[1:]]
+  ent = sorted((k, v[-1][1]) for k, v in s.items()
+               if k.startswith("routing/entropy_site_"))
   out = {"name": os.path.basename(wd), "overrides": info["overrides"],
+         "routing_entropy": [v for _, v in ent],
          "residual": info["residual"],
          "command": open(os.path.join(wd, "command.txt")).read().strip(),
          "step": s["eval/val/loss"][-1][0],
@@ -231,7 +235,8 @@ def cmd_report(a):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   root = os.path.abspath(a.root)
-  runs = [r for n in sorted(os.listdir(root))
+  order = {n: i for i, n in enumerate(RUNS)}
+  runs = [r for n in sorted(os.listdir(root), key=lambda n: (order.get(n, 99), n))
           if os.path.isdir(os.path.join(root, n))
           and (r := read_run(os.path.join(root, n)))]
   if not runs:
@@ -244,7 +249,12 @@ def cmd_report(a):
   bench = {"prenorm": "prenorm", "hyper": "hyper", "attnres": "attnres",
            "mhar_h8": "mhar", "mhar_h8_b8": "mhar_b8"}
   os.makedirs(a.out, exist_ok=True)
-  base = next((r for r in runs if r["name"] == "prenorm"), None)
+  # Δ against the pre-norm run of the same seed (same data order); the
+  # demonstration's delta run against its plain continuation.
+  base_of = {r["overrides"].get("train.seed", 0): r for r in runs
+             if r["residual"] == "prenorm" and not r["name"].startswith("demo_")}
+  demo_plain = next((r for r in runs if r["name"] == "demo_plain"), None)
+  base = base_of.get(0)
   lines = ["| run | scheme | H | seed | tokens | val loss | Δ vs pre-norm |"
            " bpb val | bpb prose | bpb code | tokens/s |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -252,7 +262,9 @@ def cmd_report(a):
     ov = r["overrides"]
     label, heads = scheme_label(r["residual"], ov)
     tokens = r["step"] * a.tokens_per_step
-    delta = (f"{r['val/loss'] - base['val/loss']:+.4f}" if base else "-")
+    ref = (demo_plain if r["name"].startswith("demo_") else
+           base_of.get(ov.get("train.seed", 0)))
+    delta = f"{r['val/loss'] - ref['val/loss']:+.4f}" if ref else "-"
     speed = tp.get(bench.get(r["name"], ""))
     speed = f"{speed:,.0f}" if speed else "-"
     lines.append(
@@ -279,6 +291,9 @@ def cmd_report(a):
     ax.set_xscale("log", base=2)
   if base:
     ax.axhline(base["val/loss"], color="gray", ls="--", label="pre-norm")
+  if base_of.get(1):
+    ax.axhline(base_of[1]["val/loss"], color="C3", ls=":", lw=1,
+               label="pre-norm, seed 1")
   for r in runs:
     if r["name"].endswith("_seed1"):
       h = 1 if "attnres" in r["name"] else r["overrides"].get("model.routing_heads")
@@ -309,10 +324,25 @@ def cmd_report(a):
   axes[1].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(os.path.join(a.out, "loss_curves.png"), dpi=120)
+  # routing entropy per site, relative to uniform over the site's sources
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  for r in runs:
+    full = not r["overrides"].get("model.num_blocks")
+    if (r["routing_entropy"] and full and "seed" not in r["name"]
+        and not r["name"].startswith("demo_")):
+      rel = [e / math.log(j + 1) for j, e in enumerate(r["routing_entropy"])
+             if j > 0]
+      ax.plot(range(1, len(rel) + 1), rel, lw=1.2, label=r["name"])
+  ax.set_xlabel("routing site j (reads j+1 sources)")
+  ax.set_ylabel("entropy / ln(j+1)")
+  ax.set_title("routing entropy at the end (1 = uniform)")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(os.path.join(a.out, "routing_entropy.png"), dpi=120)
   with open(os.path.join(a.out, "summary.json"), "w") as f:
     json.dump(runs, f, indent=1)
   print(f"wrote {a.out}/table.md, loss_vs_heads.png, loss_curves.png,"
-        " summary.json")
+        " routing_entropy.png, summary.json")
 
 
 def main():
