@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The throughput figures of benchmarks/RESULTS.md, on one H200 (device tool):
 #   bash benchmarks/gpu_throughput.sh    (carry .whl; see benchmarks/gpu_env.sh)
-# All runs compile first, 6 at a time, into a persistent cache; then each is
+# All runs compile first, 3 at a time, into a persistent cache; then each is
 # timed alone. Results: $OUT/throughput.json, and the table printed last.
 set -uo pipefail
 source benchmarks/gpu_env.sh || exit 1
@@ -12,6 +12,6 @@ RUNS=${RUNS:-1b/prenorm,1b/mhar_b8,1b/mhar,350m/prenorm,350m/mhar_b8,350m/mhar,\
 100m/prenorm,100m/hyper,100m/attnres,100m/mhar,100m/mhar_b8,100m/mhar:reference,\
 bench100m/prenorm,bench100m/hyper,bench100m/attnres,bench100m/mhar,bench100m/mhar_b8}
 python3 benchmarks/throughput.py --runs "$RUNS" --steps 6 --warmup 2 \
-  --micro_tokens 32768 --compile_jobs 6 --compile_timeout 420 --compile_wait 200 \
-  --timeout 90 \
+  --micro_tokens 32768 --compile_jobs 3 --compile_timeout 420 --compile_wait 240 \
+  --timeout 150 \
   --budget 545 --json "$OUT/throughput.json" "$@"

@@ -98,12 +98,18 @@ def child(preset: str, scheme: str, steps: int, warmup: int,
   t0 = time.time()
   step = step.lower(abstract, batch_spec).compile()
   compile_s = time.time() - t0
-  phase(f"compiled in {compile_s:.1f}s")
+  phase(f"train step compiled in {compile_s:.1f}s")
+  t0 = time.time()
+  init = training.compiled_init(model_cfg, tx, 0, state_sh)
+  init_compile_s = time.time() - t0
+  phase(f"initialiser compiled in {init_compile_s:.1f}s")
   if compile_only:
-    return {"preset": preset, "scheme": scheme, "compile_s": compile_s}
-  state = training.init_state(model_cfg, tx, 0, state_sh)
+    return {"preset": preset, "scheme": scheme, "compile_s": compile_s,
+            "init_compile_s": init_compile_s}
+  t0 = time.time()
+  state = init()
   jax.block_until_ready(state)
-  phase("state initialised")
+  phase(f"state initialised in {time.time() - t0:.1f}s")
   rng = np.random.default_rng(0)
   batches = [{k: jax.device_put(rng.integers(0, model_cfg.vocab_size,
                                              (t.global_batch, t.seq_len),
@@ -148,8 +154,10 @@ def run_child(run: str, a, compile_only: bool, timeout: int):
   env = dict(os.environ)
   if compile_only:
     cmd.append("--compile_only")
-    # Several compiling processes share the GPU: none may preallocate it.
+    # Several compiling processes share the GPU (XLA's autotuner allocates
+    # there): none may preallocate it, and each gets a share of it.
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / a.compile_jobs:.2f}"
   t0 = time.time()
   with tempfile.TemporaryFile("w+") as err:
     try:
@@ -181,7 +189,7 @@ def main():
                   help="largest microbatch in tokens (grad accumulation above)")
   ap.add_argument("--routing_impl", default="auto")
   ap.add_argument("--json", default="", help="also write results here")
-  ap.add_argument("--compile_jobs", type=int, default=4,
+  ap.add_argument("--compile_jobs", type=int, default=3,
                   help="processes compiling at once in the first phase")
   ap.add_argument("--cache_dir", default="/tmp/mhar_jax_bench_cache",
                   help="JAX persistent compilation cache shared by the phases")
@@ -190,7 +198,7 @@ def main():
   ap.add_argument("--compile_wait", type=int, default=900,
                   help="start timing after this many seconds even if some"
                   " runs are still compiling (those are timed last)")
-  ap.add_argument("--timeout", type=int, default=300,
+  ap.add_argument("--timeout", type=int, default=180,
                   help="seconds allowed per timing process")
   ap.add_argument("--budget", type=int, default=0,
                   help="stop starting timing runs after this many seconds")
@@ -217,7 +225,8 @@ def main():
     with lock:
       if run not in compile_s:
         compile_s[run] = r and r["compile_s"]
-        msg = f"compiled in {r['compile_s']:.0f}s ({msg})" if r else msg
+        msg = (f"compiled in {r['compile_s']:.0f}s, initialiser in"
+               f" {r['init_compile_s']:.0f}s ({msg})" if r else msg)
         print(f"[{time.time() - start:5.0f}s] {run}: {msg}", flush=True)
     return compile_s[run]
 

@@ -93,9 +93,10 @@ def abstract_params(model_cfg: TransformerConfig) -> nnx.State:
 
 def fingerprint(model_cfg: TransformerConfig) -> dict:
   """What a checkpoint must match to be resumed: the architecture (not the
-  implementation choices routing_impl / attention_impl / remat)."""
+  implementation choices routing_impl / routing_backward / attention_impl /
+  remat)."""
   arch = dataclasses.asdict(model_cfg)
-  for k in ("routing_impl", "attention_impl", "remat"):
+  for k in ("routing_impl", "routing_backward", "attention_impl", "remat"):
     arch.pop(k)
   return {"model": arch}
 
@@ -148,10 +149,17 @@ def state_shardings_for(model_cfg, tx, mesh, rules=DEFAULT_RULES):
           "step": rep, "rng": rep, "skipped": rep, "consecutive_skips": rep}
 
 
+def compiled_init(model_cfg: TransformerConfig, tx, seed: int, shardings):
+  """The compiled ``() -> State`` initialiser (AOT: its compile can be timed,
+  and it lands in JAX's persistent compilation cache when that is on)."""
+  with core_spmd.logical_axis_rules(DEFAULT_RULES):
+    return jax.jit(_init_fn(model_cfg, tx, seed),
+                   out_shardings=shardings).lower().compile()
+
+
 def init_state(model_cfg: TransformerConfig, tx, seed: int, shardings) -> State:
   """Builds the training state directly in its shardings (jitted init)."""
-  with core_spmd.logical_axis_rules(DEFAULT_RULES):
-    return jax.jit(_init_fn(model_cfg, tx, seed), out_shardings=shardings)()
+  return compiled_init(model_cfg, tx, seed, shardings)()
 
 
 def abstract_state(model_cfg: TransformerConfig, tx, shardings):

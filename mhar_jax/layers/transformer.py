@@ -16,7 +16,10 @@ sublayer outputs ``s_{j+1}``; with ``num_blocks`` set, the outputs of each block
 of consecutive sublayers are summed (Block AttnRes / Block MHAR) and a site
 reads ``[s_0, finished block sums..., the current block's partial sum]``. One
 sublayer per block (the default, ``num_blocks=0``) is the full method. A final
-routing site precedes the final norm. The LM head is the tied embedding, or a
+routing site precedes the final norm. With ``routing_backward="source"`` the
+full method runs as one :func:`mhar_jax.kernels.stack.routed_stack` over all
+sublayers, whose backward works source by source (the same function and
+gradients; pure jnp today). The LM head is the tied embedding, or a
 separate ``lm_head [V, D]`` with ``tie_embeddings=False``; ``qk_norm=False``
 drops the per-head QK-RMSNorm (Llama-style attention, for converted models).
 """
@@ -24,6 +27,7 @@ drops the per-head QK-RMSNorm (Llama-style attention, for converted models).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -68,6 +72,7 @@ class TransformerConfig:
   param_dtype: str = "float32"
   attention_impl: str | None = None
   routing_impl: str = "auto"
+  routing_backward: str = "site"   # "site" | "source" (full method only)
   remat: bool = False
 
   def __post_init__(self):
@@ -104,6 +109,14 @@ class TransformerConfig:
       bad("attention_impl", f"choose one of {ATTENTION_IMPLS}.")
     if self.routing_impl not in kernels.IMPLS:
       bad("routing_impl", f"choose one of {kernels.IMPLS}.")
+    if self.routing_backward not in ("site", "source"):
+      bad("routing_backward", "choose 'site' or 'source'.")
+    if self.routing_backward == "source" and (
+        self.residual not in ("attnres", "mhar")
+        or self.num_blocks not in (0, 2 * self.num_layers)):
+      bad("routing_backward", "'source' is for the full method: needs"
+          " model.residual 'attnres' or 'mhar' with model.num_blocks=0;"
+          f" got residual={self.residual!r}, num_blocks={self.num_blocks}.")
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "TransformerConfig":
@@ -181,6 +194,11 @@ def _call_sublayer(sublayer, x, positions):
   return sublayer(x, positions)
 
 
+def _apply_sublayer(j, state, x, positions, *, graphdefs):
+  """Sublayer ``j`` as a pure function of its state (for ``routed_stack``)."""
+  return nnx.merge(graphdefs[j], state)(x, positions)
+
+
 class Transformer(nnx.Module):
   """Decoder-only LM: ``tokens [B, T] int -> logits [B, T, vocab] float32``."""
 
@@ -245,6 +263,8 @@ class Transformer(nnx.Module):
       x = jnp.sum(streams, axis=2)
     elif cfg.residual == "delta":
       x = self._delta(h, subs, call, positions, routing, return_routing)
+    elif cfg.routing_backward == "source" and not return_routing:
+      x = self._stacked(h, subs, positions)
     else:
       x = self._routed(h, subs, call, positions, routing, return_routing)
 
@@ -274,6 +294,19 @@ class Transformer(nnx.Module):
     if record:
       routing.append(self.routers[-1].weights(done))
     return self.routers[-1](done)
+
+  def _stacked(self, h, subs, positions):
+    """The full method as one ``routed_stack`` (source-major backward)."""
+    from mhar_jax.kernels.stack import routed_stack
+    graphdefs, states = zip(*(nnx.split(f) for f in subs))
+    apply = functools.partial(_apply_sublayer, graphdefs=tuple(graphdefs))
+    if self.cfg.remat:
+      apply = jax.checkpoint(apply, static_argnums=(0,))
+    queries = jnp.stack([r.query[...] for r in self.routers])
+    gains = jnp.stack([r.norm_scale[...] for r in self.routers])
+    return routed_stack(h, states, apply, queries, gains, positions,
+                        num_heads=self.cfg.heads_per_site,
+                        eps=self.cfg.norm_eps)
 
   def _delta(self, h, subs, call, positions, routing, record):
     """The delta form: the ordinary stream plus ``gate * route([null, deltas])``."""

@@ -1,0 +1,188 @@
+"""Full-method depth routing around a whole stack of sublayers, differentiated source by source.
+
+A model of ``n`` sublayers routes at ``n + 1`` sites (DESIGN.md §1): site ``j``
+reads sources ``s_0 .. s_j`` and its output ``x_j`` feeds sublayer ``j``, whose
+output is ``s_{j+1}``; site ``n`` gives the stack's output. :func:`routed_stack`
+computes exactly that function (the same as calling :func:`mhar_jax.kernels.route`
+at every site), but its backward is organised by **source** instead of by site:
+
+    for i = n .. 0:                       # source i is read by sites j = i .. n
+      ds_i = sum_{j >= i}  w_ji * dx_j + r_i * dlogit_ji * (q_j g_j)
+                           - (r_i^2 / D) * dlogit_ji * logit_ji * s_i   (per head)
+      dlogit_ji = w_ji * (<dx_j, s_i>_h - <dx_j, x_j>_h)
+      (d params_{i-1}, dx_{i-1}) = vjp of sublayer i-1 at ds_i
+
+with ``w_ji = exp(logit_ji - lse_j)`` recomputed from the per-site
+log-sum-exp saved by the forward. Each source is read once and each site's
+cotangent once per source that site reads: the backward moves about as many
+bytes as the forward, where one backward per site reads its sources twice and
+emits a gradient for each of them that autodiff then sums (DESIGN.md §3).
+``<dx_j, x_j>`` uses the site's output as the forward rounded it (the same
+choice as FlashAttention's ``rowsum(dO * O)``).
+
+Memory: the residuals are the sources, the sites' outputs (which the
+sublayers save anyway), ``[.., H]`` statistics per site and each sublayer's
+own autodiff residuals: the same as differentiating the loop.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mhar_jax.kernels.reference import _heads, _mix, inv_rms
+
+Apply = Callable[[int, Any, jax.Array, Any], jax.Array]
+
+
+def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
+                 queries: jax.Array, gains: jax.Array, consts: Any = None, *,
+                 num_heads: int, eps: float = 1e-6) -> jax.Array:
+  """The output of the last routing site of a fully routed stack.
+
+  Args:
+    h: ``[..., D]`` the first source (the token embedding).
+    params: ``n`` pytrees, the parameters of each sublayer.
+    apply: ``apply(j, params[j], x, consts) -> y``, sublayer ``j`` as a pure
+      function ``[..., D] -> [..., D]`` (same dtype as ``h``). Must be hashable
+      (a module-level function or a ``functools.partial`` of one).
+    queries, gains: ``[n + 1, D]`` pseudo-queries and key-norm gains of the
+      sites ``0 .. n``.
+    consts: arrays the sublayers read but are not differentiated for (e.g.
+      positions); they get zero cotangents.
+    num_heads: H, dividing D (1 is AttnRes).
+    eps: key RMSNorm epsilon.
+
+  Returns:
+    ``x_n`` ``[..., D]`` in ``h``'s dtype.
+  """
+  n = len(params)
+  d = h.shape[-1]
+  if queries.shape != (n + 1, d) or gains.shape != (n + 1, d):
+    raise ValueError(
+        f"routed_stack: queries {queries.shape} and gains {gains.shape} must"
+        f" both be ({n + 1}, {d}): one per site of {n} sublayers.")
+  if num_heads < 1 or d % num_heads:
+    raise ValueError(f"routed_stack: num_heads={num_heads} must be >= 1 and"
+                     f" divide the width D={d}.")
+  return _stack(h, tuple(params), queries, gains, consts, apply, num_heads,
+                eps)
+
+
+def _site(sources, t_j, r, num_heads):
+  """Output ``[..., D]`` (sources' dtype) and log-sum-exp ``[..., H]`` of one
+  site; ``t_j [H, C]`` is query * gain, ``r [S, ...]`` the sources' inv-RMS."""
+  st = jnp.stack(sources)
+  u = jnp.einsum("s...hc,hc->s...h", _heads(st, num_heads), t_j)
+  logit = r[..., None] * u
+  lse = jax.nn.logsumexp(logit, axis=0)
+  w = jnp.exp(logit - lse)
+  return _mix(st, w, num_heads).astype(st.dtype), lse
+
+
+def _forward(h, params, queries, gains, consts, apply, num_heads, eps, save):
+  t = (queries.astype(jnp.float32) * gains.astype(jnp.float32)).reshape(
+      queries.shape[0], num_heads, -1)
+  sources, rs, xs, lses, vjps = [h], [inv_rms(h, eps)], [], [], []
+  for j, p in enumerate(params):
+    x, lse = _site(sources, t[j], jnp.stack(rs), num_heads)
+    if save:
+      y, vjp = jax.vjp(lambda p, x, j=j: apply(j, p, x, consts), p, x)
+      vjps.append(vjp)
+    else:
+      y = apply(j, p, x, consts)
+    if y.shape != h.shape or y.dtype != h.dtype:
+      raise ValueError(
+          f"routed_stack: sublayer {j} returned {y.shape} {y.dtype}; it must"
+          f" return the sources' shape and dtype, {h.shape} {h.dtype}.")
+    xs.append(x)
+    lses.append(lse)
+    sources.append(y)
+    rs.append(inv_rms(y, eps))
+  x, lse = _site(sources, t[-1], jnp.stack(rs), num_heads)
+  xs.append(x)
+  lses.append(lse)
+  return x, (sources, rs, xs, lses, vjps, t)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _stack(h, params, queries, gains, consts, apply, num_heads, eps):
+  return _forward(h, params, queries, gains, consts, apply, num_heads, eps,
+                  save=False)[0]
+
+
+def _stack_fwd(h, params, queries, gains, consts, apply, num_heads, eps):
+  x, saved = _forward(h, params, queries, gains, consts, apply, num_heads,
+                      eps, save=True)
+  return x, (saved, queries, gains, consts)
+
+
+def _source_grad(s, r, dxs, xs_dot, t, lses):
+  """Gradient of one source from the sites that read it.
+
+  ``s [..., H, C]`` float32, ``r [...]``; per reading site ``m``: ``dxs[m]``
+  ``[..., H, C]`` its output's cotangent, ``xs_dot[m] = <dx_m, x_m>_h``,
+  ``t[m] [H, C]``, ``lses[m] [..., H]``. Returns ``(ds [..., H, C], dt
+  [m, H, C])``.
+  """
+  d = s.shape[-1] * s.shape[-2]
+  ds = jnp.zeros_like(s)
+  coef = jnp.zeros(s.shape[:-1], jnp.float32)      # sum_m dlogit * logit
+  dts = []
+  for dx, xd, tm, lse in zip(dxs, xs_dot, t, lses):
+    u = jnp.einsum("...hc,hc->...h", s, tm)
+    logit = r[..., None] * u
+    w = jnp.exp(logit - lse)
+    dlogit = w * (jnp.einsum("...hc,...hc->...h", dx, s) - xd)
+    ds = ds + w[..., None] * dx + (dlogit * r[..., None])[..., None] * tm
+    coef = coef + dlogit * logit
+    dts.append(jnp.einsum("...h,...hc->hc", dlogit * r[..., None], s))
+  ds = ds - (jnp.sum(coef, axis=-1) * r * r / d)[..., None, None] * s
+  return ds, jnp.stack(dts)
+
+
+def _stack_bwd(apply, num_heads, eps, res, g):
+  del eps
+  (sources, rs, xs, lses, vjps, t), queries, gains, consts = res
+  n = len(vjps)
+  dxs = [None] * (n + 1)
+  xs_dot = [None] * (n + 1)
+  dt = jnp.zeros_like(t)
+  dparams = [None] * n
+
+  def site_cotangent(j, dx):
+    dxs[j] = _heads(dx, num_heads)
+    xs_dot[j] = jnp.einsum("...hc,...hc->...h", dxs[j],
+                           _heads(xs[j], num_heads))
+
+  site_cotangent(n, g)
+  dh = None
+  for i in range(n, -1, -1):            # source i is read by sites i .. n
+    s = _heads(sources[i], num_heads)
+    ds, dti = _source_grad(s, rs[i], dxs[i:], xs_dot[i:], t[i:], lses[i:])
+    dt = dt.at[i:].add(dti)
+    ds = ds.reshape(sources[i].shape).astype(sources[i].dtype)
+    if i == 0:
+      dh = ds
+    else:
+      dparams[i - 1], dx = vjps[i - 1](ds)
+      site_cotangent(i - 1, dx)
+  dt = dt.reshape(queries.shape)
+  dqueries = (dt * gains.astype(jnp.float32)).astype(queries.dtype)
+  dgains = (dt * queries.astype(jnp.float32)).astype(gains.dtype)
+  dconsts = jax.tree.map(_zero_cotangent, consts)
+  return dh, tuple(dparams), dqueries, dgains, dconsts
+
+
+def _zero_cotangent(x):
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, dtype=jax.dtypes.float0)
+
+
+_stack.defvjp(_stack_fwd, _stack_bwd)

@@ -1,0 +1,162 @@
+"""routed_stack (source-major backward) against differentiating the per-site loop."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mhar_jax.kernels import reference
+from mhar_jax.kernels.stack import routed_stack
+
+
+def toy_sublayer(j, p, x, consts):
+  """A sublayer that mixes channels and depends on j and on consts."""
+  scale = consts["scale"] if consts is not None else 1.0
+  return jnp.tanh(x @ p["w"] + p["b"]) * (1.0 + 0.1 * j) * scale
+
+
+def loop(h, params, queries, gains, consts, num_heads, eps=1e-6):
+  sources = [h]
+  for j, p in enumerate(params):
+    x = reference.route(sources, queries[j], gains[j], num_heads=num_heads,
+                        eps=eps)
+    sources.append(toy_sublayer(j, p, x, consts))
+  return reference.route(sources, queries[-1], gains[-1], num_heads=num_heads,
+                         eps=eps)
+
+
+def problem(n, d, shape=(3, 5), seed=0, dtype=jnp.float32):
+  ks = jax.random.split(jax.random.key(seed), 5)
+  h = jax.random.normal(ks[0], (*shape, d)).astype(dtype)
+  params = tuple({"w": (jax.random.normal(k, (d, d)) / np.sqrt(d)).astype(dtype),
+                  "b": (0.1 * jax.random.normal(jax.random.fold_in(k, 1), (d,))
+                        ).astype(dtype)}
+                 for k in jax.random.split(ks[1], n))
+  queries = 0.7 * jax.random.normal(ks[2], (n + 1, d))
+  gains = 1.0 + 0.3 * jax.random.normal(ks[3], (n + 1, d))
+  consts = {"scale": jnp.asarray(1.3, dtype)}
+  cot = jax.random.normal(ks[4], h.shape).astype(dtype)
+  return h, params, queries, gains, consts, cot
+
+
+def rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
+
+
+@pytest.mark.parametrize("num_heads,n", [(1, 5), (2, 1), (4, 6), (8, 3)])
+def test_values_and_gradients_match_the_site_loop(num_heads, n):
+  h, params, queries, gains, consts, cot = problem(n, 16)
+  fused = functools.partial(routed_stack, apply=toy_sublayer,
+                            num_heads=num_heads)
+
+  def f_fused(h, params, queries, gains):
+    return jnp.sum(fused(h, params, queries=queries, gains=gains,
+                         consts=consts) * cot)
+
+  def f_loop(h, params, queries, gains):
+    return jnp.sum(loop(h, params, queries, gains, consts, num_heads) * cot)
+
+  out = fused(h, params, queries=queries, gains=gains, consts=consts)
+  want = loop(h, params, queries, gains, consts, num_heads)
+  assert rel_err(out, want) < 1e-5
+  g = jax.jit(jax.grad(f_fused, argnums=(0, 1, 2, 3)))(h, params, queries, gains)
+  w = jax.jit(jax.grad(f_loop, argnums=(0, 1, 2, 3)))(h, params, queries, gains)
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
+    assert rel_err(a, b) < 2e-5, rel_err(a, b)
+  # the routing is far from uniform, so the logit terms are exercised
+  wts = reference.routing_weights([h, h * 2 + 1], queries[0], gains[0],
+                                  num_heads=num_heads)
+  assert float(jnp.abs(wts - 0.5).max()) > 0.05
+
+
+def test_bfloat16_gradients_match_float32():
+  h, params, queries, gains, consts, cot = problem(4, 32)
+  cast = lambda t: jax.tree.map(lambda x: x.astype(jnp.bfloat16), t)
+
+  def f(h, params, queries, gains, consts, cot):
+    out = routed_stack(h, params, toy_sublayer, queries, gains, consts,
+                       num_heads=4)
+    return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32))
+
+  g32 = jax.grad(f, argnums=(0, 1, 2, 3))(h, params, queries, gains, consts,
+                                          cot)
+  g16 = jax.grad(f, argnums=(0, 1, 2, 3))(cast(h), cast(params), queries,
+                                          gains, cast(consts), cast(cot))
+  for a, b in zip(jax.tree.leaves(g16), jax.tree.leaves(g32)):
+    assert rel_err(a, b) < 5e-2, rel_err(a, b)
+
+
+def test_remat_sublayers_and_jit():
+  h, params, queries, gains, consts, cot = problem(3, 8)
+  remat = jax.checkpoint(toy_sublayer, static_argnums=(0,))
+
+  def f(apply):
+    return jax.jit(jax.grad(lambda h, p: jnp.sum(routed_stack(
+        h, p, apply, queries, gains, consts, num_heads=2) * cot),
+        argnums=(0, 1)))(h, params)
+
+  for a, b in zip(jax.tree.leaves(f(remat)), jax.tree.leaves(f(toy_sublayer))):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_bad_shapes_are_named():
+  h, params, queries, gains, consts, _ = problem(3, 8)
+  with pytest.raises(ValueError, match=r"must\s+both be \(4, 8\)"):
+    routed_stack(h, params, toy_sublayer, queries[:3], gains, consts,
+                 num_heads=2)
+  with pytest.raises(ValueError, match="num_heads=3"):
+    routed_stack(h, params, toy_sublayer, queries, gains, consts, num_heads=3)
+
+
+# -- the decoder with routing_backward="source" ------------------------------------
+
+def decoder_grads(residual, routing_backward, remat=False, heads=4, seed=0):
+  from flax import nnx
+  from mhar_jax.layers import Transformer, TransformerConfig
+  cfg = TransformerConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2,
+                          num_kv_heads=1, head_dim=16, ffn_dim=48,
+                          max_seq_len=16, residual=residual, routing_heads=heads,
+                          dtype="float32", routing_backward=routing_backward,
+                          remat=remat)
+  from mhar_jax import training
+  gdef = training.graphdef(cfg)
+  params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)),
+                                      nnx.Param))
+  # non-zero queries so the routing is not a uniform mean
+  ks = iter(jax.random.split(jax.random.key(1), 100))
+  params["routers"] = {k: {"query": 0.5 * jax.random.normal(next(ks), v["query"].shape),
+                           "norm_scale": v["norm_scale"]}
+                       for k, v in params["routers"].items()}
+  toks = jax.random.randint(jax.random.key(2), (2, 16), 0, 64)
+
+  def loss(p):
+    logits = nnx.merge(gdef, p)(toks)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0]), logits
+
+  (_, logits), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+  return logits, g
+
+
+@pytest.mark.parametrize("residual,heads,remat", [("mhar", 4, False),
+                                                  ("attnres", 1, False),
+                                                  ("mhar", 2, True)])
+def test_decoder_source_backward_equals_site_backward(residual, heads, remat):
+  la, ga = decoder_grads(residual, "source", remat, heads)
+  lb, gb = decoder_grads(residual, "site", remat, heads)
+  assert rel_err(la, lb) < 1e-5
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ga)[0],
+                          jax.tree.leaves(gb)):
+    assert rel_err(a, b) < 2e-5, (jax.tree_util.keystr(path), rel_err(a, b))
+  assert np.abs(np.asarray(ga["routers"][1]["query"])).max() > 1e-4
+
+
+def test_source_backward_is_for_the_full_method_only():
+  from mhar_jax.layers import TransformerConfig
+  with pytest.raises(ValueError, match="model.routing_backward='source'"):
+    TransformerConfig(residual="mhar", num_layers=2, num_blocks=2,
+                      routing_backward="source")
+  with pytest.raises(ValueError, match="model.routing_backward='sideways'"):
+    TransformerConfig(routing_backward="sideways")
