@@ -13,7 +13,7 @@ peak 989 TFLOP/s for H100/H200), peak device memory (``memory_stats``) and
 the ratios to ``prenorm`` of the same preset measured in the same run.
 
 Schemes: ``prenorm``, ``hyper``, ``attnres``, ``mhar`` (H=8), ``mhar_b8``
-(H=8, 8 blocks); append ``:reference`` or ``:triton`` to force the routing
+(H=8, 8 blocks), ``mhar_src`` (H=8 with ``routing_backward="source"``); append ``:reference`` or ``:triton`` to force the routing
 implementation (e.g. ``mhar:reference``). Presets are config files in
 ``configs/`` (``100m``, ``350m``, ``1b``, ``bench100m``, ...).
 
@@ -45,6 +45,8 @@ SCHEMES = {
     "attnres": dict(residual="attnres"),
     "mhar": dict(residual="mhar", routing_heads=8),
     "mhar_b8": dict(residual="mhar", routing_heads=8, num_blocks=8),
+    "mhar_src": dict(residual="mhar", routing_heads=8,
+                     routing_backward="source"),
 }
 
 

@@ -27,6 +27,7 @@ own autodiff residuals: the same as differentiating the loop.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,7 +43,8 @@ Apply = Callable[[int, Any, jax.Array, Any], jax.Array]
 
 def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
                  queries: jax.Array, gains: jax.Array, consts: Any = None, *,
-                 num_heads: int, eps: float = 1e-6) -> jax.Array:
+                 num_heads: int, eps: float = 1e-6,
+                 impl: str | None = None) -> jax.Array:
   """The output of the last routing site of a fully routed stack.
 
   Args:
@@ -57,10 +59,14 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
       positions); they get zero cotangents.
     num_heads: H, dividing D (1 is AttnRes).
     eps: key RMSNorm epsilon.
+    impl: ``"auto"`` / ``None`` (Triton on a CUDA backend with jax-triton,
+      else jnp), ``"reference"`` or ``"triton"``, as for
+      :func:`mhar_jax.kernels.route`.
 
   Returns:
     ``x_n`` ``[..., D]`` in ``h``'s dtype.
   """
+  from mhar_jax.kernels import resolve_impl
   n = len(params)
   d = h.shape[-1]
   if queries.shape != (n + 1, d) or gains.shape != (n + 1, d):
@@ -70,27 +76,46 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
   if num_heads < 1 or d % num_heads:
     raise ValueError(f"routed_stack: num_heads={num_heads} must be >= 1 and"
                      f" divide the width D={d}.")
-  return _stack(h, tuple(params), queries, gains, consts, apply, num_heads,
-                eps)
+  plan = _Plan(num_heads, float(eps), resolve_impl(impl))
+  if plan.impl == "triton":
+    from mhar_jax.kernels import triton_route
+    mesh, axes = triton_route.sharding_plan(h)
+    plan = dataclasses.replace(plan, mesh=mesh, batch_axes=axes)
+  return _stack(h, tuple(params), queries, gains, consts, apply, plan)
 
 
-def _site(sources, t_j, r, num_heads):
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static choices of one ``routed_stack`` call."""
+  num_heads: int
+  eps: float
+  impl: str                 # "reference" | "triton"
+  mesh: Any = None          # triton: shard_map over this mesh's batch axes
+  batch_axes: tuple = ()
+
+
+def _site(sources, t_j, r, plan):
   """Output ``[..., D]`` (sources' dtype) and log-sum-exp ``[..., H]`` of one
   site; ``t_j [H, C]`` is query * gain, ``r [S, ...]`` the sources' inv-RMS."""
+  if plan.impl == "triton":
+    from mhar_jax.kernels import triton_route
+    cfg = triton_route._make_cfg(sources[0].shape[-1], plan.num_heads,
+                                 plan.eps, True, plan.mesh, plan.batch_axes)
+    return triton_route._fwd_impl(tuple(sources), t_j.reshape(-1), cfg)
   st = jnp.stack(sources)
-  u = jnp.einsum("s...hc,hc->s...h", _heads(st, num_heads), t_j)
-  logit = r[..., None] * u
+  u = jnp.einsum("s...hc,hc->s...h", _heads(st, plan.num_heads), t_j)
+  logit = jnp.stack(r)[..., None] * u
   lse = jax.nn.logsumexp(logit, axis=0)
   w = jnp.exp(logit - lse)
-  return _mix(st, w, num_heads).astype(st.dtype), lse
+  return _mix(st, w, plan.num_heads).astype(st.dtype), lse
 
 
-def _forward(h, params, queries, gains, consts, apply, num_heads, eps, save):
+def _forward(h, params, queries, gains, consts, apply, plan, save):
   t = (queries.astype(jnp.float32) * gains.astype(jnp.float32)).reshape(
-      queries.shape[0], num_heads, -1)
-  sources, rs, xs, lses, vjps = [h], [inv_rms(h, eps)], [], [], []
+      queries.shape[0], plan.num_heads, -1)
+  sources, rs, xs, lses, vjps = [h], [inv_rms(h, plan.eps)], [], [], []
   for j, p in enumerate(params):
-    x, lse = _site(sources, t[j], jnp.stack(rs), num_heads)
+    x, lse = _site(sources, t[j], rs, plan)
     if save:
       y, vjp = jax.vjp(lambda p, x, j=j: apply(j, p, x, consts), p, x)
       vjps.append(vjp)
@@ -103,23 +128,44 @@ def _forward(h, params, queries, gains, consts, apply, num_heads, eps, save):
     xs.append(x)
     lses.append(lse)
     sources.append(y)
-    rs.append(inv_rms(y, eps))
-  x, lse = _site(sources, t[-1], jnp.stack(rs), num_heads)
+    rs.append(inv_rms(y, plan.eps))
+  x, lse = _site(sources, t[-1], rs, plan)
   xs.append(x)
   lses.append(lse)
   return x, (sources, rs, xs, lses, vjps, t)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _stack(h, params, queries, gains, consts, apply, num_heads, eps):
-  return _forward(h, params, queries, gains, consts, apply, num_heads, eps,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _stack(h, params, queries, gains, consts, apply, plan):
+  return _forward(h, params, queries, gains, consts, apply, plan,
                   save=False)[0]
 
 
-def _stack_fwd(h, params, queries, gains, consts, apply, num_heads, eps):
-  x, saved = _forward(h, params, queries, gains, consts, apply, num_heads,
-                      eps, save=True)
+def _stack_fwd(h, params, queries, gains, consts, apply, plan):
+  x, saved = _forward(h, params, queries, gains, consts, apply, plan,
+                      save=True)
   return x, (saved, queries, gains, consts)
+
+
+def source_grad(s, r, dX, t, lse, xd, i: int, num_heads: int):
+  """The gradient of source ``i`` from the sites ``i .. R-1`` that read it.
+
+  ``s [..., D]``, ``r [...]``; whole-stack buffers ``dX [R, ..., D]`` (site
+  cotangents), ``t [R, D]`` (query * gain), ``lse``/``xd [R, ..., H]`` (the
+  sites' log-sum-exp and ``<dx_j, x_j>`` per head), read from row ``i``.
+  Returns ``(ds [..., D]`` in ``s``'s dtype, ``dt [R - i, D]`` float32: this
+  source's share of those sites' query-gain gradient). The jnp reference of
+  :func:`mhar_jax.kernels.triton_stack.source_grad`.
+  """
+  d = s.shape[-1]
+  m = dX.shape[0] - i
+  sh = _heads(s, num_heads)
+  ds, dt = _source_grad(
+      sh, r.astype(jnp.float32), [_heads(dX[k], num_heads) for k in
+                                  range(i, i + m)],
+      [xd[k] for k in range(i, i + m)], t[i:].reshape(m, num_heads, -1),
+      [lse[k] for k in range(i, i + m)])
+  return ds.reshape(s.shape).astype(s.dtype), dt.reshape(m, d)
 
 
 def _source_grad(s, r, dxs, xs_dot, t, lses):
@@ -135,6 +181,7 @@ def _source_grad(s, r, dxs, xs_dot, t, lses):
   coef = jnp.zeros(s.shape[:-1], jnp.float32)      # sum_m dlogit * logit
   dts = []
   for dx, xd, tm, lse in zip(dxs, xs_dot, t, lses):
+    dx = dx.astype(jnp.float32)
     u = jnp.einsum("...hc,hc->...h", s, tm)
     logit = r[..., None] * u
     w = jnp.exp(logit - lse)
@@ -146,33 +193,41 @@ def _source_grad(s, r, dxs, xs_dot, t, lses):
   return ds, jnp.stack(dts)
 
 
-def _stack_bwd(apply, num_heads, eps, res, g):
-  del eps
+def _stack_bwd(apply, plan, res, g):
   (sources, rs, xs, lses, vjps, t), queries, gains, consts = res
-  n = len(vjps)
-  dxs = [None] * (n + 1)
-  xs_dot = [None] * (n + 1)
-  dt = jnp.zeros_like(t)
+  n, h = len(vjps), plan.num_heads
+  # Whole-stack buffers, filled from the top as the sites' cotangents appear.
+  dX = jnp.zeros((n + 1, *g.shape), sources[0].dtype)
+  xd = jnp.zeros((n + 1, *g.shape[:-1], h), jnp.float32)
+  lse = jnp.stack(lses)
+  tt = t.reshape(n + 1, -1)
+  dt = jnp.zeros_like(tt)
   dparams = [None] * n
 
-  def site_cotangent(j, dx):
-    dxs[j] = _heads(dx, num_heads)
-    xs_dot[j] = jnp.einsum("...hc,...hc->...h", dxs[j],
-                           _heads(xs[j], num_heads))
+  def site_cotangent(j, dx, dX, xd):
+    dx = dx.astype(dX.dtype)
+    xdj = jnp.einsum("...hc,...hc->...h", _heads(dx, h), _heads(xs[j], h))
+    return dX.at[j].set(dx), xd.at[j].set(xdj)
 
-  site_cotangent(n, g)
+  dX, xd = site_cotangent(n, g, dX, xd)
   dh = None
   for i in range(n, -1, -1):            # source i is read by sites i .. n
-    s = _heads(sources[i], num_heads)
-    ds, dti = _source_grad(s, rs[i], dxs[i:], xs_dot[i:], t[i:], lses[i:])
+    if plan.impl == "triton":
+      from mhar_jax.kernels import triton_stack
+      ds, dti = triton_stack.source_grad(sources[i], rs[i], dX, tt, lse, xd,
+                                         i, h, plan.mesh, plan.batch_axes)
+    else:
+      ds, dti = source_grad(sources[i], rs[i], dX, tt, lse, xd, i, h)
     dt = dt.at[i:].add(dti)
-    ds = ds.reshape(sources[i].shape).astype(sources[i].dtype)
     if i == 0:
       dh = ds
     else:
       dparams[i - 1], dx = vjps[i - 1](ds)
-      site_cotangent(i - 1, dx)
-  dt = dt.reshape(queries.shape)
+      dX, xd = site_cotangent(i - 1, dx, dX, xd)
+  # Site 0 reads s_0 alone: its query and gain have exactly zero gradient.
+  # The formula leaves rounding noise there (<dx_0, s_0> - xd_0), which
+  # Adam would turn into a random walk of parameters that cannot matter.
+  dt = dt.at[0].set(0.0).reshape(queries.shape)
   dqueries = (dt * gains.astype(jnp.float32)).astype(queries.dtype)
   dgains = (dt * queries.astype(jnp.float32)).astype(gains.dtype)
   dconsts = jax.tree.map(_zero_cotangent, consts)

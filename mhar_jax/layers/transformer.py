@@ -306,7 +306,7 @@ class Transformer(nnx.Module):
     gains = jnp.stack([r.norm_scale[...] for r in self.routers])
     return routed_stack(h, states, apply, queries, gains, positions,
                         num_heads=self.cfg.heads_per_site,
-                        eps=self.cfg.norm_eps)
+                        eps=self.cfg.norm_eps, impl=self.cfg.routing_impl)
 
   def _delta(self, h, subs, call, positions, routing, record):
     """The delta form: the ordinary stream plus ``gate * route([null, deltas])``."""

@@ -1,0 +1,144 @@
+"""Triton kernel for the source-major backward of :mod:`mhar_jax.kernels.stack` (GPU only).
+
+One launch per source ``i`` computes, for every token, the gradient of ``s_i``
+from all ``M = n + 1 - i`` sites that read it (``stack._source_grad``)::
+
+    for k in 0 .. M-1 (site j = i + k):
+      u      = <s_i, t_j>_h            logit = r_i u        w = exp(logit - lse_j)
+      dlogit = w (<dx_j, s_i>_h - xd_j)
+      acc   += w dx_j + (dlogit r_i) t_j          coef += dlogit logit
+    ds_i = acc - (sum_h coef) r_i^2 / D * s_i
+
+and writes ``dlogit * r_i`` (``[M, N, H]`` fp32) from which the query-gain
+gradient ``dt_j += sum_n (dlogit r_i)[n, h] s_i[n, c]`` is one small einsum in
+XLA (one more read of ``s_i``). The site cotangents, statistics and queries
+live in whole-stack buffers (``dX [n+1, N, D]``, ``lse``/``xd [n+1, N, H]``,
+``t [n+1, D]``) read from row ``i`` on, so the kernel has a runtime loop over
+sites, compiles once for every source, and never slices (copies) a buffer.
+Bytes per source: ``s_i`` once, each ``dx_j`` once, ``ds_i`` once.
+
+Tiles follow :mod:`mhar_jax.kernels.triton_route`: a program owns ``BN`` whole
+tokens viewed as ``[BN, HP, CP]`` (heads x channels padded to powers of two,
+masked). Status: written against the reference and checked with Triton's
+interpreter on CPU (tests/test_triton_stack.py); not yet run or timed on a GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jax_triton as jt
+import triton
+import triton.language as tl
+
+from mhar_jax.kernels.triton_route import (_cols, _pow2, _rows,
+                                           _tokens_per_program)
+
+ELEMS_PER_THREAD = 16
+WARPS = 4
+STAGES = 2
+
+
+@triton.jit
+def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, I, M, N,
+                       ds_ptr, dlr_ptr,
+                       D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
+                       HP: tl.constexpr, CP: tl.constexpr, BN: tl.constexpr,
+                       STAGES: tl.constexpr):
+  """One token tile of the gradient of one source from all its readers.
+
+  ``s_ptr [N, D]`` (source dtype), ``r_ptr [N]`` fp32, ``dx_ptr [R, N, D]``
+  (site cotangents), ``t_ptr [R, D]`` fp32, ``lse_ptr``/``xd_ptr [R, N, H]``
+  fp32, rows ``I .. I+M-1`` used. Outputs ``ds_ptr [N, D]`` (source dtype) and
+  ``dlr_ptr [M, N, H]`` fp32. Parameter order is jax-triton's: inputs, runtime
+  scalars (not specialised: one compiled kernel serves every source), outputs,
+  constexprs.
+  """
+  tile = tl.program_id(0)
+  col, cmask = _cols(H, C, HP, CP)
+  base, off, mask, hbase, hoff, hmask = _rows(tile, N, col, cmask, D, H, HP,
+                                                 BN)
+  rows = tile * BN + tl.arange(0, BN)
+  x = tl.load(s_ptr + base + off, mask=mask, other=0.0).to(tl.float32)
+  r = tl.load(r_ptr + rows, mask=rows < N, other=0.0)
+  acc = tl.zeros((BN, HP, CP), tl.float32)
+  coef = tl.zeros((BN, HP), tl.float32)
+  nd = N.to(tl.int64) * D
+  nh = N.to(tl.int64) * H
+  for k in tl.range(0, M, num_stages=STAGES):
+    j = (I + k).to(tl.int64)
+    dx = tl.load(dx_ptr + j * nd + base + off, mask=mask,
+                 other=0.0).to(tl.float32)
+    tk = tl.load(t_ptr + j * D + col, mask=cmask, other=0.0)
+    lse = tl.load(lse_ptr + j * nh + hbase + hoff, mask=hmask, other=0.0)
+    xd = tl.load(xd_ptr + j * nh + hbase + hoff, mask=hmask, other=0.0)
+    u = tl.sum(x * tk[None, :, :], axis=2)
+    logit = r[:, None] * u
+    w = tl.exp(logit - lse)
+    dl = w * (tl.sum(dx * x, axis=2) - xd)
+    dlr = dl * r[:, None]
+    acc += w[:, :, None] * dx + dlr[:, :, None] * tk[None, :, :]
+    coef += dl * logit
+    tl.store(dlr_ptr + k * nh + hbase + hoff, dlr, mask=hmask)
+  scale = tl.sum(coef, axis=1) * r * r / D
+  ds = acc - scale[:, None, None] * x
+  tl.store(ds_ptr + base + off, ds.to(ds_ptr.dtype.element_ty), mask=mask)
+
+
+def tokens_per_program(d: int, h: int) -> int:
+  return _tokens_per_program(_pow2(h) * _pow2(d // h), ELEMS_PER_THREAD, WARPS)
+
+
+def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int):
+  """One source's gradient on local (unsharded) arrays.
+
+  ``s [N, D]``, ``r [N]``, ``dX [R, N, D]``, ``t [R, D]``, ``lse``/``xd``
+  ``[R, N, H]``; sites ``i .. R-1`` read the source. Returns ``(ds [N, D],
+  dt [R - i, D])`` with ``dt`` this source's share of the query-gain
+  gradient of those sites.
+  """
+  n, d = s.shape
+  m = dX.shape[0] - i
+  c = d // h
+  bn = tokens_per_program(d, h)
+  ds, dlr = jt.triton_call(
+      s, r.astype(jnp.float32), dX, t, lse, xd, i, m, n,
+      kernel=source_grad_kernel,
+      out_shape=[jax.ShapeDtypeStruct((n, d), s.dtype),
+                 jax.ShapeDtypeStruct((m, n, h), jnp.float32)],
+      grid=(triton.cdiv(n, bn),), num_warps=WARPS, num_stages=1,
+      D=d, H=h, C=c, HP=_pow2(h), CP=_pow2(c), BN=bn, STAGES=STAGES)
+  dt = jnp.einsum("mnh,nhc->mhc", dlr,
+                  s.astype(jnp.float32).reshape(n, h, c)).reshape(m, d)
+  return ds, dt
+
+
+def source_grad(s, r, dX, t, lse, xd, i: int, h: int, mesh=None,
+                batch_axes=()):
+  """:func:`source_grad_local` on ``[tokens, ...]`` arrays, under ``shard_map``
+  over the batch axes of ``mesh`` when given (``dt`` psummed)."""
+  from jax.sharding import PartitionSpec as P
+  lead = s.shape[:-1]
+
+  def local(s, r, dX, t, lse, xd):
+    loc = s.shape[:-1]
+    ds, dt = source_grad_local(
+        s.reshape(-1, s.shape[-1]), r.reshape(-1),
+        dX.reshape(dX.shape[0], -1, dX.shape[-1]), t,
+        lse.reshape(lse.shape[0], -1, h), xd.reshape(xd.shape[0], -1, h), i, h)
+    if mesh is not None and batch_axes:
+      dt = jax.lax.psum(dt, batch_axes)
+    return ds.reshape(*loc, s.shape[-1]), dt
+
+  if mesh is None:
+    return local(s, r, dX, t, lse, xd)
+  first = (batch_axes if len(batch_axes) > 1 else batch_axes[0]) \
+      if batch_axes else None
+  rest = [None] * (len(lead) - 1)
+  tok = P(first, *rest, None)          # [tokens..., D]
+  tok_r = P(first, *rest)              # [tokens...]
+  site = P(None, first, *rest, None)   # [R, tokens..., D or H]
+  return jax.shard_map(local, mesh=mesh,
+                       in_specs=(tok, tok_r, site, P(), site, site),
+                       out_specs=(tok, P()), check_vma=False)(
+                           s, r, dX, t, lse, xd)
