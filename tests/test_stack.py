@@ -72,6 +72,21 @@ def test_values_and_gradients_match_the_site_loop(num_heads, n):
   assert float(jnp.abs(wts - 0.5).max()) > 0.05
 
 
+def test_buffer_backward_equals_list_backward():
+  """The whole-stack-buffer bookkeeping (what the Triton kernel reads), run
+  with the jnp per-source function, gives the list path's gradients."""
+  from mhar_jax.kernels import stack
+  h, params, queries, gains, consts, cot = problem(5, 16)
+  out = {}
+  for buffers in (False, True):
+    plan = stack._Plan(4, 1e-6, "reference", buffers=buffers)
+    out[buffers] = jax.jit(jax.grad(lambda h, p, q, g: jnp.sum(stack._stack(
+        h, p, q, g, consts, toy_sublayer, plan) * cot), argnums=(0, 1, 2, 3)))(
+            h, params, queries, gains)
+  for a, b in zip(jax.tree.leaves(out[True]), jax.tree.leaves(out[False])):
+    assert rel_err(a, b) < 1e-5, rel_err(a, b)
+
+
 def test_bfloat16_gradients_match_float32():
   h, params, queries, gains, consts, cot = problem(4, 32)
   cast = lambda t: jax.tree.map(lambda x: x.astype(jnp.bfloat16), t)
@@ -99,7 +114,7 @@ def test_remat_sublayers_and_jit():
         argnums=(0, 1)))(h, params)
 
   for a, b in zip(jax.tree.leaves(f(remat)), jax.tree.leaves(f(toy_sublayer))):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_bad_shapes_are_named():

@@ -92,6 +92,14 @@ class _Plan:
   impl: str                 # "reference" | "triton"
   mesh: Any = None          # triton: shard_map over this mesh's batch axes
   batch_axes: tuple = ()
+  # Backward bookkeeping: whole-stack buffers (what the kernel reads) or
+  # Python lists of per-site arrays (the jnp path: no buffer, no copies, the
+  # loop's memory). The default follows impl.
+  buffers: bool | None = None
+
+  @property
+  def use_buffers(self) -> bool:
+    return self.impl == "triton" if self.buffers is None else self.buffers
 
 
 def _site(sources, t_j, r, plan):
@@ -155,75 +163,97 @@ def source_grad(s, r, dX, t, lse, xd, i: int, num_heads: int):
   sites' log-sum-exp and ``<dx_j, x_j>`` per head), read from row ``i``.
   Returns ``(ds [..., D]`` in ``s``'s dtype, ``dt [R - i, D]`` float32: this
   source's share of those sites' query-gain gradient). The jnp reference of
-  :func:`mhar_jax.kernels.triton_stack.source_grad`.
+  :func:`mhar_jax.kernels.triton_stack.source_grad`. It reads the buffers as
+  one slice from row ``i`` (which XLA keeps in place while the backward
+  fills earlier rows; reading row by row makes it copy the buffer) and
+  reduces over sites with multiply-and-sum, not contractions that would
+  materialise a float32 copy of the slice.
   """
   d = s.shape[-1]
   m = dX.shape[0] - i
-  sh = _heads(s, num_heads)
-  ds, dt = _source_grad(
-      sh, r.astype(jnp.float32), [_heads(dX[k], num_heads) for k in
-                                  range(i, i + m)],
-      [xd[k] for k in range(i, i + m)], t[i:].reshape(m, num_heads, -1),
-      [lse[k] for k in range(i, i + m)])
+  sh = _heads(s, num_heads)                        # [..., H, C]
+  r = r.astype(jnp.float32)[None, ..., None]       # [1, ..., 1]
+  dx = _heads(dX[i:], num_heads)                   # [m, ..., H, C]
+  tm = t[i:].reshape(m, num_heads, -1)
+  tb = tm.reshape(m, *([1] * (s.ndim - 1)), *tm.shape[1:])
+  u = jnp.sum(sh[None] * tb, axis=-1)              # [m, ..., H]
+  logit = r * u
+  w = jnp.exp(logit - lse[i:])
+  dlogit = w * (jnp.sum(dx * sh[None], axis=-1) - xd[i:])
+  dlr = dlogit * r
+  coef = jnp.sum(dlogit * logit, axis=(0, -1))     # [...]
+  ds = (jnp.sum(w[..., None] * dx + dlr[..., None] * tb, axis=0)
+        - (coef * r[0, ..., 0] ** 2 / d)[..., None, None] * sh)
+  dt = jnp.einsum("m...h,...hc->mhc", dlr, sh)
   return ds.reshape(s.shape).astype(s.dtype), dt.reshape(m, d)
 
 
-def _source_grad(s, r, dxs, xs_dot, t, lses):
-  """Gradient of one source from the sites that read it.
-
-  ``s [..., H, C]`` float32, ``r [...]``; per reading site ``m``: ``dxs[m]``
-  ``[..., H, C]`` its output's cotangent, ``xs_dot[m] = <dx_m, x_m>_h``,
-  ``t[m] [H, C]``, ``lses[m] [..., H]``. Returns ``(ds [..., H, C], dt
-  [m, H, C])``.
-  """
-  d = s.shape[-1] * s.shape[-2]
-  ds = jnp.zeros_like(s)
-  coef = jnp.zeros(s.shape[:-1], jnp.float32)      # sum_m dlogit * logit
+def _source_grad_lists(s, r, dxs, xs_dot, t, lses, num_heads):
+  """:func:`source_grad` on per-site arrays: ``dxs[k] [..., D]``,
+  ``xs_dot[k]``/``lses[k] [..., H]``, ``t [m, D]``; same outputs."""
+  d = s.shape[-1]
+  sh = _heads(s, num_heads)
+  r = r.astype(jnp.float32)[..., None]
+  ds = jnp.zeros_like(sh)
+  coef = jnp.zeros(sh.shape[:-1], jnp.float32)     # sum_k dlogit * logit
   dts = []
-  for dx, xd, tm, lse in zip(dxs, xs_dot, t, lses):
-    dx = dx.astype(jnp.float32)
-    u = jnp.einsum("...hc,hc->...h", s, tm)
-    logit = r[..., None] * u
+  for dx, xd, tk, lse in zip(dxs, xs_dot, t.reshape(len(dxs), num_heads, -1),
+                             lses):
+    dx = _heads(dx, num_heads)
+    u = jnp.einsum("...hc,hc->...h", sh, tk)
+    logit = r * u
     w = jnp.exp(logit - lse)
-    dlogit = w * (jnp.einsum("...hc,...hc->...h", dx, s) - xd)
-    ds = ds + w[..., None] * dx + (dlogit * r[..., None])[..., None] * tm
+    dlogit = w * (jnp.einsum("...hc,...hc->...h", dx, sh) - xd)
+    ds = ds + w[..., None] * dx + (dlogit * r)[..., None] * tk
     coef = coef + dlogit * logit
-    dts.append(jnp.einsum("...h,...hc->hc", dlogit * r[..., None], s))
-  ds = ds - (jnp.sum(coef, axis=-1) * r * r / d)[..., None, None] * s
-  return ds, jnp.stack(dts)
+    dts.append(jnp.einsum("...h,...hc->hc", dlogit * r, sh))
+  ds = ds - (jnp.sum(coef, axis=-1) * r[..., 0] ** 2 / d)[..., None, None] * sh
+  return ds.reshape(s.shape).astype(s.dtype), jnp.stack(dts).reshape(-1, d)
 
 
 def _stack_bwd(apply, plan, res, g):
   (sources, rs, xs, lses, vjps, t), queries, gains, consts = res
   n, h = len(vjps), plan.num_heads
-  # Whole-stack buffers, filled from the top as the sites' cotangents appear.
-  dX = jnp.zeros((n + 1, *g.shape), sources[0].dtype)
-  xd = jnp.zeros((n + 1, *g.shape[:-1], h), jnp.float32)
-  lse = jnp.stack(lses)
   tt = t.reshape(n + 1, -1)
   dt = jnp.zeros_like(tt)
   dparams = [None] * n
 
-  def site_cotangent(j, dx, dX, xd):
-    dx = dx.astype(dX.dtype)
-    xdj = jnp.einsum("...hc,...hc->...h", _heads(dx, h), _heads(xs[j], h))
-    return dX.at[j].set(dx), xd.at[j].set(xdj)
+  def dot_heads(a, b):
+    return jnp.einsum("...hc,...hc->...h", _heads(a, h), _heads(b, h))
 
-  dX, xd = site_cotangent(n, g, dX, xd)
+  if plan.use_buffers:
+    # Whole-stack buffers, filled from the top as the sites' cotangents
+    # appear; each is updated in place (its only reader, the per-source
+    # call, runs before the update that depends on its result).
+    dX = jnp.zeros((n + 1, *g.shape), sources[0].dtype).at[n].set(
+        g.astype(sources[0].dtype))
+    xd = jnp.zeros((n + 1, *g.shape[:-1], h), jnp.float32).at[n].set(
+        dot_heads(g, xs[n]))
+    lse = jnp.stack(lses)
+  else:
+    dxs, xds = [None] * (n + 1), [None] * (n + 1)
+    dxs[n], xds[n] = g, dot_heads(g, xs[n])
   dh = None
   for i in range(n, -1, -1):            # source i is read by sites i .. n
-    if plan.impl == "triton":
+    if plan.use_buffers and plan.impl == "triton":
       from mhar_jax.kernels import triton_stack
       ds, dti = triton_stack.source_grad(sources[i], rs[i], dX, tt, lse, xd,
                                          i, h, plan.mesh, plan.batch_axes)
-    else:
+    elif plan.use_buffers:
       ds, dti = source_grad(sources[i], rs[i], dX, tt, lse, xd, i, h)
+    else:
+      ds, dti = _source_grad_lists(sources[i], rs[i], dxs[i:], xds[i:],
+                                   tt[i:], lses[i:], h)
     dt = dt.at[i:].add(dti)
     if i == 0:
       dh = ds
+      break
+    dparams[i - 1], dx = vjps[i - 1](ds)
+    if plan.use_buffers:
+      dX = dX.at[i - 1].set(dx.astype(dX.dtype))
+      xd = xd.at[i - 1].set(dot_heads(dx, xs[i - 1]))
     else:
-      dparams[i - 1], dx = vjps[i - 1](ds)
-      dX, xd = site_cotangent(i - 1, dx, dX, xd)
+      dxs[i - 1], xds[i - 1] = dx, dot_heads(dx, xs[i - 1])
   # Site 0 reads s_0 alone: its query and gain have exactly zero gradient.
   # The formula leaves rounding noise there (<dx_0, s_0> - xd_0), which
   # Adam would turn into a random walk of parameters that cannot matter.

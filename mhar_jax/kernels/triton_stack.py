@@ -1,7 +1,7 @@
 """Triton kernel for the source-major backward of :mod:`mhar_jax.kernels.stack` (GPU only).
 
 One launch per source ``i`` computes, for every token, the gradient of ``s_i``
-from all ``M = n + 1 - i`` sites that read it (``stack._source_grad``)::
+from all ``M = n + 1 - i`` sites that read it (``stack.source_grad``, its jnp reference)::
 
     for k in 0 .. M-1 (site j = i + k):
       u      = <s_i, t_j>_h            logit = r_i u        w = exp(logit - lse_j)
