@@ -14,17 +14,18 @@ figures, not the scheme's speed: take speed from benchmarks/throughput.py).
 Each run's console log is ``ROOT/NAME/train.log`` and its command
 ``ROOT/NAME/command.txt``. ``--analyze NAME`` runs ``python -m
 mhar_jax.analyze`` on that run when it is done. ``--delta_demo STEPS``
-continues the finished ``--delta_demo_base`` run (default ``prenorm``) for STEPS steps twice from its final
-checkpoint (one after the other, in that run's job slot), converted to the
-delta scheme and unchanged (both through
-``python -m mhar_jax.convert``, fresh optimiser, the mid-training recipe of
+continues the finished ``--delta_demo_base`` run (default ``prenorm``) for
+STEPS steps twice from its final checkpoint, one after the other in that
+run's job slot: converted to the delta scheme and unchanged (both through
+``python -m mhar_jax.convert``; fresh optimiser, the mid-training recipe of
 ``DEMO_OVERRIDES``). ``--pack`` re-writes a tarball of everything but the
 checkpoints after every finished run, so a run cut short still reports what
 it finished.
 
 ``report`` reads the TensorBoard events of every finished run and writes
 ``table.md`` (final validation loss and bits per byte per split, tokens/s),
-``loss_vs_heads.png``, ``loss_curves.png`` and ``summary.json`` to ``--out``.
+``loss_vs_heads.png``, ``loss_curves.png``, ``routing_entropy.png`` and
+``summary.json`` to ``--out``.
 """
 
 from __future__ import annotations
