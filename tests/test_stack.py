@@ -130,6 +130,7 @@ def test_bad_shapes_are_named():
 
 def decoder_grads(residual, routing_backward, remat=False, heads=4, seed=0):
   from flax import nnx
+
   from mhar_jax.layers import Transformer, TransformerConfig
   cfg = TransformerConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2,
                           num_kv_heads=1, head_dim=16, ffn_dim=48,

@@ -19,7 +19,7 @@ if jax.default_backend() != "gpu":
   pytest.skip("Triton kernels need a CUDA GPU", allow_module_level=True)
 pytest.importorskip("jax_triton")
 
-from mhar_jax.kernels.stack import routed_stack  # noqa: E402
+from mhar_jax.kernels.stack import routed_stack
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
@@ -70,6 +70,7 @@ def test_triton_stack_matches_reference(dtype, lead, d, heads, n):
 
 def test_decoder_source_backward_on_gpu():
   from flax import nnx
+
   from mhar_jax import training
   from mhar_jax.layers import Transformer, TransformerConfig
   kw = dict(vocab_size=256, d_model=128, num_layers=3, num_heads=4,

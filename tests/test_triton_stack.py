@@ -17,10 +17,9 @@ torch = pytest.importorskip("torch")
 os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax.numpy as jnp
 
-from mhar_jax.kernels import reference, stack  # noqa: E402
+from mhar_jax.kernels import reference, stack
 
 
 @pytest.fixture(scope="module")

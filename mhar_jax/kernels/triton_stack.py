@@ -31,8 +31,7 @@ import jax_triton as jt
 import triton
 import triton.language as tl
 
-from mhar_jax.kernels.triton_route import (_cols, _pow2, _rows,
-                                           _tokens_per_program)
+from mhar_jax.kernels.triton_route import _cols, _pow2, _rows, _tokens_per_program
 
 ELEMS_PER_THREAD = 16
 WARPS = 4
