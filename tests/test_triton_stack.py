@@ -13,11 +13,15 @@ import types
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton")
-
+import jax
 import jax.numpy as jnp
+
+if jax.default_backend() == "gpu":   # there tests/test_stack_gpu.py runs the real build
+  pytest.skip("interpreter test: CPU only", allow_module_level=True)
+torch = pytest.importorskip("torch")
+_SAVED_ENV = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"     # read when triton is imported
+triton = pytest.importorskip("triton")
 
 from mhar_jax.kernels import reference, stack
 
@@ -34,6 +38,10 @@ def kernel_module():
     from mhar_jax.kernels import triton_stack
     yield triton_stack
   finally:
+    if _SAVED_ENV is None:     # keep it out of later tests' subprocesses
+      os.environ.pop("TRITON_INTERPRET", None)
+    else:
+      os.environ["TRITON_INTERPRET"] = _SAVED_ENV
     for name in ("mhar_jax.kernels.triton_stack", "mhar_jax.kernels.triton_route"):
       sys.modules.pop(name, None)
     if saved is None:
