@@ -19,7 +19,7 @@ sublayer per block (the default, ``num_blocks=0``) is the full method. A final
 routing site precedes the final norm. With ``routing_backward="source"`` the
 full method runs as one :func:`mhar_jax.kernels.stack.routed_stack` over all
 sublayers, whose backward works source by source (the same function and
-gradients; pure jnp today). The LM head is the tied embedding, or a
+gradients; its Triton kernel is not yet run on a GPU). The LM head is the tied embedding, or a
 separate ``lm_head [V, D]`` with ``tie_embeddings=False``; ``qk_norm=False``
 drops the per-head QK-RMSNorm (Llama-style attention, for converted models).
 """
