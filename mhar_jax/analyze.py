@@ -96,12 +96,12 @@ def routing_summary(routing: list[jax.Array]) -> dict:
 # -- loading ----------------------------------------------------------------------
 
 def _finalised_steps(ckpt_dir: str) -> list[int]:
-  """Steps under ``ckpt_dir`` with state and meta written, newest first."""
+  """Finished steps under ``ckpt_dir``, newest first."""
+  from mhar_jax.checkpoint import step_problem
   if not os.path.isdir(ckpt_dir):
     return []
-  done = ("_CHECKPOINT_METADATA", "state/_METADATA", "meta/meta.json")
-  return sorted((int(n) for n in os.listdir(ckpt_dir) if n.isdigit() and all(
-      os.path.exists(os.path.join(ckpt_dir, n, f)) for f in done)),
+  return sorted((int(n) for n in os.listdir(ckpt_dir) if n.isdigit()
+                 and step_problem(os.path.join(ckpt_dir, n)) is None),
                 reverse=True)
 
 
@@ -109,10 +109,9 @@ def load_run(workdir: str, step: int | None = None):
   """``(cfg, model_cfg, graphdef, params, meta)`` of checkpoint ``step`` (the
   newest readable one when None) of a trainer workdir, on one device."""
   import ml_collections
-  import orbax.checkpoint as ocp
 
   from mhar_jax import parallel, training
-  from mhar_jax.checkpoint import check_compatible
+  from mhar_jax.checkpoint import check_compatible, read_params
   from mhar_jax.config import model_config
 
   ckpt_dir = os.path.join(workdir, "checkpoints")
@@ -145,8 +144,7 @@ def load_run(workdir: str, step: int | None = None):
     shardings = training.state_shardings_for(model_cfg, tx, mesh)
     abstract = training.abstract_state(model_cfg, tx, shardings)
     try:
-      with ocp.StandardCheckpointer() as reader:
-        state = reader.restore(os.path.join(d, "state"), abstract)
+      params = read_params(d, abstract["params"])
     except Exception as e:  # noqa: BLE001 - a damaged step: try an older one
       problems.append(f"step {s}: {type(e).__name__}: {str(e)[:200]}")
       continue
@@ -154,7 +152,7 @@ def load_run(workdir: str, step: int | None = None):
       print("mhar_jax.analyze: skipped unreadable " + "; ".join(problems),
             file=sys.stderr)
     meta.setdefault("step", s)
-    return cfg, model_cfg, training.graphdef(model_cfg), state["params"], meta
+    return cfg, model_cfg, training.graphdef(model_cfg), params, meta
   raise AnalysisError(f"no readable checkpoint in {ckpt_dir}: "
                       + "; ".join(problems))
 

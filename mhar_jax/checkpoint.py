@@ -219,6 +219,40 @@ def latest_meta(directory: str | os.PathLike) -> dict[str, Any] | None:
     return None
 
 
+def step_problem(step_dir: str | os.PathLike) -> str | None:
+    """Why ``step_dir`` is not a finished checkpoint step (a file or item
+    directory it lacks), or None when it is one."""
+    d = epath.Path(step_dir)
+    if not (d / "_CHECKPOINT_METADATA").exists():
+        return "missing step metadata file _CHECKPOINT_METADATA"
+    for item in (STATE, DATA, META):
+        if not (d / item).is_dir():
+            return f"missing item directory '{item}'"
+    if not (d / STATE / "_METADATA").exists():
+        return "missing state/_METADATA (pytree metadata)"
+    if not (d / META / _META_FILE).exists():
+        return f"missing meta/{_META_FILE}"
+    return None
+
+
+def read_params(step_dir: str | os.PathLike, abstract_params: Any) -> Any:
+    """Only the ``params`` of a step's saved training state, read without
+    opening a manager (which would clean temporary directories of a run that
+    may still be saving) and without reading the optimiser state.
+
+    ``abstract_params``: a tree of ``jax.ShapeDtypeStruct`` with shardings,
+    keyed like the saved tree; the arrays come back in those shardings.
+    """
+    item = {"params": abstract_params}
+    with ocp.PyTreeCheckpointer() as ckptr:
+        r = ckptr.restore(os.path.join(os.fspath(step_dir), STATE),
+                          args=ocp.args.PyTreeRestore(
+                              item=item,
+                              restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                              partial_restore=True))
+    return r["params"]
+
+
 def check_compatible(meta: Mapping[str, Any], expected_fingerprint: Mapping[str, Any]) -> None:
     """Checks that a checkpoint was written for the same model architecture.
 
@@ -470,17 +504,7 @@ class Checkpointer:
     # -- restore ------------------------------------------------------------
 
     def _structure_problem(self, step: int) -> str | None:
-        d = self._step_dir(step)
-        if not (d / "_CHECKPOINT_METADATA").exists():
-            return "missing step metadata file _CHECKPOINT_METADATA"
-        for item in (STATE, DATA, META):
-            if not (d / item).is_dir():
-                return f"missing item directory '{item}'"
-        if not (d / STATE / "_METADATA").exists():
-            return "missing state/_METADATA (pytree metadata)"
-        if not (d / META / _META_FILE).exists():
-            return f"missing meta/{_META_FILE}"
-        return None
+        return step_problem(self._step_dir(step))
 
     def _read_meta(self, step: int) -> dict[str, Any]:
         meta = json.loads((self._step_dir(step) / META / _META_FILE).read_text())

@@ -147,33 +147,31 @@ def checkpoints_dir(path: str) -> str:
       " nor a Hugging Face directory (no config.json).")
 
 
-def _restore_params(state_dir: str, found: dict[str, Any]) -> dict[str, np.ndarray]:
+def _restore_params(step_dir: str, found: dict[str, Any]) -> dict[str, np.ndarray]:
   """Reads only ``params`` of a saved training state as numpy arrays."""
   import jax
-  import orbax.checkpoint as ocp
+  from mhar_jax.checkpoint import read_params
   try:
     device = jax.devices("cpu")[0]
   except RuntimeError:      # JAX_PLATFORMS names only an accelerator
     device = jax.local_devices()[0]
   cpu = jax.sharding.SingleDeviceSharding(device)
-  item = {"params": {}}
+  abstract = {}
   for path, m in found.items():
-    node = item["params"]
+    node = abstract
     *parents, leaf = path.split("/")
     for p in parents:
       node = node.setdefault(p, {})
     node[leaf] = jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu)
-  with ocp.PyTreeCheckpointer() as ckptr:
-    r = ckptr.restore(state_dir, args=ocp.args.PyTreeRestore(
-        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-        partial_restore=True))
-  return {k: np.asarray(v) for k, v in _flat(r["params"]).items()}
+  return {k: np.asarray(v) for k, v in _flat(read_params(step_dir,
+                                                          abstract)).items()}
 
 
 def read_mhar(path: str):
   """``(model_cfg, config dict, flat params, step)`` of the newest readable
   step of a prenorm run."""
   import orbax.checkpoint as ocp
+  from mhar_jax.checkpoint import step_problem
   from mhar_jax.layers import TransformerConfig
   ckpt = checkpoints_dir(path)
   steps = sorted((int(n) for n in os.listdir(ckpt)
@@ -184,11 +182,9 @@ def read_mhar(path: str):
   skipped = []
   for step in steps:
     d = os.path.join(ckpt, str(step))
-    missing = [f for f in ("_CHECKPOINT_METADATA", "state/_METADATA",
-                           "meta/meta.json")
-               if not os.path.exists(os.path.join(d, f))]
-    if missing:
-      skipped.append(f"step {step}: missing {', '.join(missing)}")
+    problem = step_problem(d)
+    if problem:
+      skipped.append(f"step {step}: {problem}")
       continue
     try:
       with open(os.path.join(d, "meta", "meta.json")) as f:
@@ -219,7 +215,7 @@ def read_mhar(path: str):
     _check_tree(expected_params(src_cfg), found,
                 where=f"{d}/state params (model config of its meta.json)")
     try:
-      params = _restore_params(os.path.join(d, "state"), found)
+      params = _restore_params(d, found)
     except Exception as e:  # noqa: BLE001
       skipped.append(f"step {step}: unreadable state ({type(e).__name__}: {e})")
       continue

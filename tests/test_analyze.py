@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 from mhar_jax import analyze
-from mhar_jax.config import base_config, validate
+from mhar_jax.config import base_config
 from mhar_jax.summary import read_scalars
+
+from helpers import make_trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -86,18 +88,10 @@ def tiny_config(residual="mhar", num_blocks=0, steps=3):
   return c
 
 
-def train(cfg, workdir):
-  """Runs the real trainer on one CPU device; returns its result."""
-  from mhar_jax.train import Trainer, resolve_data
-  m = validate(cfg, num_devices=1)
-  return Trainer(cfg, m, str(workdir), resolve_data(cfg, m),
-                 devices=jax.devices()[:1]).run()
-
-
 @pytest.mark.parametrize("num_blocks", [0, 2])
 def test_analyze_end_to_end(tmp_path, capsys, num_blocks):
   cfg = tiny_config(num_blocks=num_blocks)
-  result = train(cfg, tmp_path)
+  result = make_trainer(cfg, tmp_path).run()
   assert analyze.main(["--workdir", str(tmp_path), "--batches", "1",
                        "--batch", "3"]) == 0
   printed = capsys.readouterr().out
@@ -160,7 +154,7 @@ def run_analyze(*args):
 
 
 def test_prenorm_run_is_refused(tmp_path):
-  train(tiny_config(residual="prenorm", steps=1), tmp_path)
+  make_trainer(tiny_config(residual="prenorm", steps=1), tmp_path).run()
   r = run_analyze("--workdir", str(tmp_path))
   assert r.returncode == 1
   assert "model.residual='prenorm'" in r.stderr, r.stderr[-2000:]

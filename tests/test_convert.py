@@ -19,8 +19,10 @@ from flax import nnx
 
 from mhar_jax import convert, parallel, training
 from mhar_jax.checkpoint import Checkpointer
-from mhar_jax.config import base_config, model_config, validate
+from mhar_jax.config import base_config, model_config
 from mhar_jax.layers import Transformer, TransformerConfig
+
+from helpers import make_trainer
 
 TOL = 1e-5
 
@@ -36,14 +38,6 @@ def prenorm_config(**train):
   c.checkpoint.update(every=2, keep=2, async_save=False)
   c.log.update(every=1, routing_every=1000)
   return c
-
-
-def make_trainer(cfg, workdir):
-  """A Trainer on one CPU device (conftest forces 8)."""
-  from mhar_jax.train import Trainer, resolve_data
-  m = validate(cfg, num_devices=1)
-  return Trainer(cfg, m, str(workdir), resolve_data(cfg, m),
-                 devices=jax.devices()[:1])
 
 
 def restore_converted(workdir):

@@ -14,6 +14,8 @@ import pytest
 from mhar_jax.config import base_config, validate
 from mhar_jax.summary import read_scalars
 
+from helpers import make_trainer
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -28,14 +30,6 @@ def tiny_config(**train):
   c.checkpoint.update(every=4, keep=2, async_save=True)
   c.log.update(every=2, routing_every=4)
   return c
-
-
-def make_trainer(cfg, workdir):
-  """A Trainer on one CPU device (conftest forces 8)."""
-  from mhar_jax.train import Trainer, resolve_data
-  m = validate(cfg, num_devices=1)
-  return Trainer(cfg, m, str(workdir), resolve_data(cfg, m),
-                 devices=jax.devices()[:1])
 
 
 def params_of(result):
