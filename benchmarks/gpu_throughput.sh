@@ -8,9 +8,9 @@ source benchmarks/gpu_env.sh || exit 1
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv
-RUNS=${RUNS:-1b/prenorm,1b/mhar_b8,1b/mhar,1b/mhar_src,350m/prenorm,350m/mhar_b8,\
+RUNS=${RUNS:-1b/prenorm,1b/mhar_b8,1b/mhar,350m/prenorm,350m/mhar_b8,\
 350m/mhar,100m/prenorm,100m/hyper,100m/attnres,100m/mhar,100m/mhar_b8,\
-100m/mhar_src,100m/mhar:reference,bench100m/prenorm,bench100m/mhar,bench100m/mhar_b8}
+100m/mhar_site,100m/mhar:reference,bench100m/prenorm,bench100m/mhar,bench100m/mhar_b8}
 python3 benchmarks/throughput.py --runs "$RUNS" --steps 6 --warmup 2 \
   --micro_tokens 32768 --compile_jobs 3 --compile_timeout 420 --compile_wait 240 \
   --timeout 150 \

@@ -12,9 +12,10 @@ Printed: tokens/s, MFU (FLOPs per token ``6N + 6 L H_q d_h T``, dense bf16
 peak 989 TFLOP/s for H100/H200), peak device memory (``memory_stats``) and
 the ratios to ``prenorm`` of the same preset measured in the same run.
 
-Schemes: ``prenorm``, ``hyper``, ``attnres``, ``mhar`` (H=8), ``mhar_b8``
-(H=8, 8 blocks), ``mhar_src`` (H=8 with ``routing_backward="source"``); append ``:reference`` or ``:triton`` to force the routing
-implementation (e.g. ``mhar:reference``). Presets are config files in
+Schemes: ``prenorm``, ``hyper``, ``attnres``, ``mhar`` (H=8, the default
+source-major backward), ``mhar_b8`` (H=8, 8 blocks), ``mhar_site`` (H=8 with
+``routing_backward="site"``); append ``:reference`` or ``:triton`` to force
+the routing implementation (e.g. ``mhar:reference``). Presets are config files in
 ``configs/`` (``100m``, ``350m``, ``1b``, ``bench100m``, ...).
 
 Two phases: first every (preset, scheme) is compiled ahead of time, up to
@@ -45,8 +46,8 @@ SCHEMES = {
     "attnres": dict(residual="attnres"),
     "mhar": dict(residual="mhar", routing_heads=8),
     "mhar_b8": dict(residual="mhar", routing_heads=8, num_blocks=8),
-    "mhar_src": dict(residual="mhar", routing_heads=8,
-                     routing_backward="source"),
+    "mhar_site": dict(residual="mhar", routing_heads=8,
+                      routing_backward="site"),
 }
 
 

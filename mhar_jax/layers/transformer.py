@@ -16,10 +16,11 @@ sublayer outputs ``s_{j+1}``; with ``num_blocks`` set, the outputs of each block
 of consecutive sublayers are summed (Block AttnRes / Block MHAR) and a site
 reads ``[s_0, finished block sums..., the current block's partial sum]``. One
 sublayer per block (the default, ``num_blocks=0``) is the full method. A final
-routing site precedes the final norm. With ``routing_backward="source"`` the
-full method runs as one :func:`mhar_jax.kernels.stack.routed_stack` over all
-sublayers, whose backward works source by source (the same function and
-gradients; its Triton kernel is not yet run on a GPU). The LM head is the tied embedding, or a
+routing site precedes the final norm. The full method runs as one
+:func:`mhar_jax.kernels.stack.routed_stack` over all sublayers, whose backward
+works source by source (``routing_backward="source"``, what ``"auto"`` picks
+for it); ``"site"`` differentiates site by site instead (the same function
+and gradients; what the block variants always use). The LM head is the tied embedding, or a
 separate ``lm_head [V, D]`` with ``tie_embeddings=False``; ``qk_norm=False``
 drops the per-head QK-RMSNorm (Llama-style attention, for converted models).
 """
@@ -72,7 +73,7 @@ class TransformerConfig:
   param_dtype: str = "float32"
   attention_impl: str | None = None
   routing_impl: str = "auto"
-  routing_backward: str = "site"   # "site" | "source" (full method only)
+  routing_backward: str = "auto"   # "auto" | "site" | "source" (full method only)
   remat: bool = False
 
   def __post_init__(self):
@@ -109,14 +110,23 @@ class TransformerConfig:
       bad("attention_impl", f"choose one of {ATTENTION_IMPLS}.")
     if self.routing_impl not in kernels.IMPLS:
       bad("routing_impl", f"choose one of {kernels.IMPLS}.")
-    if self.routing_backward not in ("site", "source"):
-      bad("routing_backward", "choose 'site' or 'source'.")
-    if self.routing_backward == "source" and (
-        self.residual not in ("attnres", "mhar")
-        or self.num_blocks not in (0, 2 * self.num_layers)):
+    if self.routing_backward not in ("auto", "site", "source"):
+      bad("routing_backward", "choose 'auto', 'site' or 'source'.")
+    if self.routing_backward == "source" and not self.full_routing:
       bad("routing_backward", "'source' is for the full method: needs"
           " model.residual 'attnres' or 'mhar' with model.num_blocks=0;"
           f" got residual={self.residual!r}, num_blocks={self.num_blocks}.")
+
+  @property
+  def full_routing(self) -> bool:
+    """AttnRes / MHAR with one sublayer per block (the full method)."""
+    return (self.residual in ("attnres", "mhar")
+            and self.num_blocks in (0, 2 * self.num_layers))
+
+  @property
+  def source_major_backward(self) -> bool:
+    """Whether the stack routes as one ``routed_stack`` (source-major backward)."""
+    return self.full_routing and self.routing_backward in ("auto", "source")
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "TransformerConfig":
@@ -263,7 +273,7 @@ class Transformer(nnx.Module):
       x = jnp.sum(streams, axis=2)
     elif cfg.residual == "delta":
       x = self._delta(h, subs, call, positions, routing, return_routing)
-    elif cfg.routing_backward == "source" and not return_routing:
+    elif cfg.source_major_backward and not return_routing:
       x = self._stacked(h, subs, positions)
     else:
       x = self._routed(h, subs, call, positions, routing, return_routing)
