@@ -172,8 +172,11 @@ class Trainer:
       start = int(meta["step"])
       say(f"resumed from step {start} in {self.ckpt.directory}")
     else:
+      t_init = time.time()
       state = training.init_state(self.model_cfg, self.tx, t.seed,
                                   self.state_sh)
+      jax.block_until_ready(state)
+      say(f"initialised the state (seed {t.seed}) in {time.time() - t_init:.1f}s")
     n_params = sum(int(x.size) for x in jax.tree.leaves(state["params"]))
     say(f"model: {self.model_cfg.residual}"
         f" (H={self.model_cfg.heads_per_site}, blocks="
