@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 
 from mhar_jax import kernels  # noqa: E402
 from mhar_jax.kernels.stack import routed_stack  # noqa: E402
+from mhar_jax.layers.router import block_boundaries  # noqa: E402
 
 # (microbatch tokens, D, sublayers): the presets at benchmarks/throughput.py's
 # microbatch of 32768 tokens.
@@ -53,11 +54,6 @@ SHAPES = {"100m": (32768, 512, 24), "350m": (32768, 1024, 48),
 def _scale(j, p, x, consts):
   del j, consts
   return x * p
-
-
-def _blocks(n, num_blocks):
-  """Block index of each of ``n`` sublayers (consecutive, as equal as can be)."""
-  return [j * num_blocks // n for j in range(n)]
 
 
 def site_loop(h, ps, queries, gains, *, blocks, heads, impl):
@@ -128,7 +124,7 @@ def run_shape(name, impls, heads, seed=0):
       return jnp.sum((f(h, ps, q, g) * ct).astype(jnp.float32))
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
 
-  full, block8 = list(range(n)), _blocks(n, 8)
+  full, block8 = list(range(n)), block_boundaries(n, 8)
   variants = [("prenorm", "-", prenorm, None)]
   for impl in impls:
     variants += [
