@@ -30,6 +30,11 @@ from its partial softmax over those sources (stored normalised, in the
 sources' dtype, with its log-sum-exp) and reads only ``s_{j0+1} .. s_{j0+k}``.
 Bytes per group: ``j0 + 1`` source reads instead of ``G (j0 + 1)``, plus one
 partial written and read per resumed site (:func:`site_group_size`).
+The backward mirrors it: when source ``i0`` is due, the cotangents of sites
+``i0 .. n`` are read once for the gradients of sources ``i0 .. i0-G+1``;
+source ``i0 - k`` later adds the ``k`` rows its group's sublayers produced
+since (partial sums stored in the sources' dtype, per-head statistics in
+float32).
 
 Memory: the residuals are the sources, the sites' outputs (which the
 sublayers save anyway), ``[.., H]`` statistics per site and each sublayer's
@@ -192,6 +197,16 @@ def site_group(S, R, t, i0: int, ns: int, resume, num_heads: int):
   return out[0], lse[0], out[1:], lse[1:]
 
 
+def _source_group_grad(S, R, dX, t, lse, xd, si, g, j0, m, resume, plan):
+  if plan.impl == "triton":
+    from mhar_jax.kernels import triton_stack
+    return triton_stack.source_group_grad(S, R, dX, t, lse, xd, si, g, j0, m,
+                                          resume, plan.num_heads, plan.mesh,
+                                          plan.batch_axes)
+  return source_group_grad(S, R, dX, t, lse, xd, si, g, j0, m, resume,
+                           plan.num_heads)
+
+
 def _site_group(S, R, t, i0, ns, resume, plan):
   if plan.impl == "triton":
     from mhar_jax.kernels import triton_stack
@@ -274,43 +289,63 @@ def _stack_fwd(h, params, queries, gains, consts, apply, plan):
   return x, (saved, queries, gains, consts)
 
 
-def source_grad(S, R, dX, t, lse, xd, i: int, num_heads: int):
-  """The gradient of source ``i`` from the sites ``i .. R-1`` that read it.
+def source_group_grad(S, R, dX, t, lse, xd, si: int, g: int, j0: int,
+                      m: int, resume, num_heads: int):
+  """One pass over site rows ``j0 .. j0+m-1`` for the gradients of ``g``
+  sources, rows ``si, si-1, .., si-g+1`` of ``S``.
 
-  Whole-stack buffers, read from row ``i``: ``S [R, ..., D]`` (sources),
-  ``R [R, ...]`` (their inverse RMS), ``dX [R, ..., D]`` (site cotangents), ``t [R, D]`` (query * gain), ``lse``/``xd [R, ..., H]`` (the
-  sites' log-sum-exp and ``<dx_j, x_j>`` per head), read from row ``i``.
-  Returns ``(ds [..., D]`` in ``s``'s dtype, ``dt [R - i, D]`` float32: this
-  source's share of those sites' query-gain gradient). The jnp reference of
-  :func:`mhar_jax.kernels.triton_stack.source_grad`. It reads the buffers as
-  one slice from row ``i`` (which XLA keeps in place while the backward
-  fills earlier rows; reading row by row makes it copy the buffer) and
-  reduces over sites with multiply-and-sum, not contractions that would
-  materialise a float32 copy of the slice.
+  Whole-stack buffers: ``S [R, ..., D]`` (sources), ``R [R, ...]`` (their
+  inverse RMS), ``dX [R, ..., D]`` (site cotangents), ``t [R, D]`` (query *
+  gain), ``lse``/``xd [R, ..., H]`` (the sites' log-sum-exp and ``<dx_j,
+  x_j>`` per head). ``resume``: ``None``, or ``(pacc [K,
+  ..., D], pcoef [K, ..., H], k)``: add row ``k`` of an earlier pass's
+  partial sums (g = 1). Returns ``(ds [..., D], pacc [g-1, ..., D], pcoef
+  [g-1, ..., H], dt [g, m, D])``: source ``si``'s gradient (complete when
+  these are all the rows that read it), the other sources' partial sums
+  ``sum_j w dx_j + (dlogit r) t_j`` (sources' dtype) and ``sum_j dlogit *
+  logit`` (per head), and each source's share of rows ``j0 ..``'s
+  query-gain gradient. The jnp reference of
+  :func:`mhar_jax.kernels.triton_stack.source_group_grad`.
   """
-  s, r = S[i], R[i]
-  d = s.shape[-1]
-  m = dX.shape[0] - i
-  sh = _heads(s, num_heads)                        # [..., H, C]
-  r = r.astype(jnp.float32)[None, ..., None]       # [1, ..., 1]
-  dx = _heads(dX[i:], num_heads)                   # [m, ..., H, C]
-  tm = t[i:].reshape(m, num_heads, -1)
-  tb = tm.reshape(m, *([1] * (s.ndim - 1)), *tm.shape[1:])
-  u = jnp.sum(sh[None] * tb, axis=-1)              # [m, ..., H]
-  logit = r * u
-  w = jnp.exp(logit - lse[i:])
-  dlogit = w * (jnp.sum(dx * sh[None], axis=-1) - xd[i:])
-  dlr = dlogit * r
-  coef = jnp.sum(dlogit * logit, axis=(0, -1))     # [...]
-  ds = (jnp.sum(w[..., None] * dx + dlr[..., None] * tb, axis=0)
-        - (coef * r[0, ..., 0] ** 2 / d)[..., None, None] * sh)
-  dt = jnp.einsum("m...h,...hc->mhc", dlr, sh)
-  return ds.reshape(s.shape).astype(s.dtype), dt.reshape(m, d)
+  d = S.shape[-1]
+  dx = _heads(jax.lax.slice_in_dim(dX, j0, j0 + m), num_heads)
+  tm = jax.lax.slice_in_dim(t, j0, j0 + m).reshape(m, num_heads, -1)
+  tb = tm.reshape(m, *([1] * (S.ndim - 2)), *tm.shape[1:])
+  lse_m = jax.lax.slice_in_dim(lse, j0, j0 + m)
+  xd_m = jax.lax.slice_in_dim(xd, j0, j0 + m)
+  accs, coefs, dts = [], [], []
+  for q in range(g):
+    sh = _heads(S[si - q], num_heads)                # [..., H, C]
+    r = R[si - q].astype(jnp.float32)[None, ..., None]
+    logit = r * jnp.sum(sh[None] * tb, axis=-1)      # [m, ..., H]
+    w = jnp.exp(logit - lse_m)
+    dlogit = w * (jnp.sum(dx * sh[None], axis=-1) - xd_m)
+    dlr = dlogit * r
+    acc = jnp.sum(w[..., None] * dx + dlr[..., None] * tb, axis=0)
+    coef = jnp.sum(dlogit * logit, axis=0)           # [..., H]
+    if resume is not None:
+      acc = acc + _heads(resume[0][resume[2]], num_heads).astype(jnp.float32)
+      coef = coef + resume[1][resume[2]]
+    accs.append(acc)
+    coefs.append(coef)
+    dts.append(jnp.einsum("m...h,...hc->mhc", dlr, sh).reshape(m, d))
+  s0 = S[si]
+  r0 = R[si].astype(jnp.float32)
+  ds = (accs[0] - (jnp.sum(coefs[0], axis=-1) * r0 ** 2 / d)[..., None, None]
+        * _heads(s0, num_heads).astype(jnp.float32))
+  lead = S.shape[1:-1]
+  pacc = jnp.stack([a.reshape(*lead, d) for a in accs[1:]]).astype(
+      S.dtype) if g > 1 else jnp.zeros((0, *lead, d), S.dtype)
+  pcoef = jnp.stack(coefs[1:]) if g > 1 else jnp.zeros(
+      (0, *lead, num_heads), jnp.float32)
+  return ds.reshape(s0.shape).astype(S.dtype), pacc, pcoef, jnp.stack(dts)
 
 
 def _source_grad_lists(s, r, dxs, xs_dot, t, lses, num_heads):
-  """:func:`source_grad` on per-site arrays: ``dxs[k] [..., D]``,
-  ``xs_dot[k]``/``lses[k] [..., H]``, ``t [m, D]``; same outputs."""
+  """:func:`source_group_grad` for one source on per-site arrays (the list
+  path): ``s [..., D]``, ``r [...]``, ``dxs[k] [..., D]``,
+  ``xs_dot[k]``/``lses[k] [..., H]``, ``t [m, D]``. Returns ``(ds [..., D],
+  dt [m, D])``."""
   d = s.shape[-1]
   sh = _heads(s, num_heads)
   r = r.astype(jnp.float32)[..., None]
@@ -355,17 +390,26 @@ def _stack_bwd(apply, plan, res, g):
     dxs, xds = [None] * (n + 1), [None] * (n + 1)
     dxs[n], xds[n] = g, dot_heads(g, xs[n])
   dh = None
+  i0 = partial = None
   for i in range(n, -1, -1):            # source i is read by sites i .. n
-    if plan.impl == "triton":
-      from mhar_jax.kernels import triton_stack
-      ds, dti = triton_stack.source_grad(sources, rs, dX, tt, lse, xd, i, h,
-                                         plan.mesh, plan.batch_axes)
+    if plan.use_buffers and (i0 is None or i0 - i >= plan.group):
+      # sources i .. i-gs+1 in one pass over the rows i .. n
+      i0, gs = i, min(plan.group, i + 1)
+      ds, pacc, pcoef, dti = _source_group_grad(
+          sources, rs, dX, tt, lse, xd, i, gs, i, n + 1 - i, None, plan)
+      partial = (pacc, pcoef)
+      for q in range(gs):
+        dt = dt.at[i0:].add(dti[q])
     elif plan.use_buffers:
-      ds, dti = source_grad(sources, rs, dX, tt, lse, xd, i, h)
+      # the rows i .. i0-1 that appeared since the group's pass
+      ds, _, _, dti = _source_group_grad(
+          sources, rs, dX, tt, lse, xd, i, 1, i, i0 - i,
+          (*partial, i0 - i - 1), plan)
+      dt = dt.at[i:i0].add(dti[0])
     else:
       ds, dti = _source_grad_lists(sources[i], rs[i], dxs[i:], xds[i:],
                                    tt[i:], lses[i:], h)
-    dt = dt.at[i:].add(dti)
+      dt = dt.at[i:].add(dti)
     if i == 0:
       dh = ds
       break

@@ -14,20 +14,22 @@ log-sum-exp and the other sites' normalised partial results, from which a
 later launch (``RESUME``, G = 1) continues over the sources that appeared
 since. Bytes: each source read once per launch, ``G`` outputs written.
 
-``source_grad_kernel`` (backward): one launch per source ``i`` computes, for
-every token, the gradient of ``s_i`` from all ``M = n + 1 - i`` sites that
-read it (``stack.source_grad``, its jnp reference)::
+``source_group_grad_kernel`` (backward, source-major): one pass over the
+site rows ``J0 ..`` computes, for every token, the gradient contributions to
+``G`` sources at once (``stack.source_group_grad``, its jnp reference)::
 
-    for k in 0 .. M-1 (site j = i + k):
+    for each row j, each source i of the group:
       u      = <s_i, t_j>_h            logit = r_i u        w = exp(logit - lse_j)
       dlogit = w (<dx_j, s_i>_h - xd_j)
-      acc   += w dx_j + (dlogit r_i) t_j          coef += dlogit logit
-    ds_i = acc - (sum_h coef) r_i^2 / D * s_i
+      acc_i += w dx_j + (dlogit r_i) t_j          coef_i += dlogit logit
+    ds_i = acc_i - (sum_h coef_i) r_i^2 / D * s_i     (once all rows are in)
 
-and writes ``dlogit * r_i`` (``[M, N, H]`` fp32) from which the query-gain
-gradient ``dt_j += sum_n (dlogit r_i)[n, h] s_i[n, c]`` is one small einsum in
-XLA (one more read of ``s_i``). Bytes per source: ``s_i`` once, each ``dx_j``
-once, ``ds_i`` once.
+The group's top source is complete after the pass; the others store
+``(acc_i, coef_i)`` and a later launch (``RESUME``, G = 1) adds the rows
+that their own sublayers' backward produced since. It writes ``dlogit * r_i``
+(``[G, M, N, H]`` fp32) from which the query-gain gradient ``dt_j += sum_n
+(dlogit r_i)[n, h] s_i[n, c]`` is one small einsum in XLA (one more read of
+each source). Bytes per pass: each row ``dx_j`` once for all G sources.
 
 Tiles follow :mod:`mhar_jax.kernels.triton_route`: a program owns ``BN`` whole
 tokens viewed as ``[BN, HP, CP]`` (heads x channels padded to powers of two,
@@ -45,57 +47,7 @@ import triton.language as tl
 
 from mhar_jax.kernels.triton_route import _cols, _pow2, _rows, _tokens_per_program
 
-ELEMS_PER_THREAD = 16
-WARPS = 4
 STAGES = 2
-
-
-@triton.jit
-def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, I, M, N,
-                       ds_ptr, dlr_ptr,
-                       D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
-                       HP: tl.constexpr, CP: tl.constexpr, BN: tl.constexpr,
-                       STAGES: tl.constexpr):
-  """One token tile of the gradient of one source from all its readers.
-
-  ``s_ptr [R, N, D]`` (sources, source dtype) and ``r_ptr [R, N]`` fp32
-  (their inverse RMS), row ``I`` used; ``dx_ptr [R, N, D]``
-  (site cotangents), ``t_ptr [R, D]`` fp32, ``lse_ptr``/``xd_ptr [R, N, H]``
-  fp32, rows ``I .. I+M-1`` used. Outputs ``ds_ptr [N, D]`` (source dtype) and
-  ``dlr_ptr [M, N, H]`` fp32. Parameter order is jax-triton's: inputs, runtime
-  scalars (not specialised: one compiled kernel serves every source), outputs,
-  constexprs.
-  """
-  tile = tl.program_id(0)
-  col, cmask = _cols(H, C, HP, CP)
-  base, off, mask, hbase, hoff, hmask = _rows(tile, N, col, cmask, D, H, HP,
-                                                 BN)
-  rows = tile * BN + tl.arange(0, BN)
-  nd = N.to(tl.int64) * D
-  nh = N.to(tl.int64) * H
-  x = tl.load(s_ptr + I.to(tl.int64) * nd + base + off, mask=mask,
-              other=0.0).to(tl.float32)
-  r = tl.load(r_ptr + I.to(tl.int64) * N + rows, mask=rows < N, other=0.0)
-  acc = tl.zeros((BN, HP, CP), tl.float32)
-  coef = tl.zeros((BN, HP), tl.float32)
-  for k in tl.range(0, M, num_stages=STAGES):
-    j = (I + k).to(tl.int64)
-    dx = tl.load(dx_ptr + j * nd + base + off, mask=mask,
-                 other=0.0).to(tl.float32)
-    tk = tl.load(t_ptr + j * D + col, mask=cmask, other=0.0)
-    lse = tl.load(lse_ptr + j * nh + hbase + hoff, mask=hmask, other=0.0)
-    xd = tl.load(xd_ptr + j * nh + hbase + hoff, mask=hmask, other=0.0)
-    u = tl.sum(x * tk[None, :, :], axis=2)
-    logit = r[:, None] * u
-    w = tl.exp(logit - lse)
-    dl = w * (tl.sum(dx * x, axis=2) - xd)
-    dlr = dl * r[:, None]
-    acc += w[:, :, None] * dx + dlr[:, :, None] * tk[None, :, :]
-    coef += dl * logit
-    tl.store(dlr_ptr + k * nh + hbase + hoff, dlr, mask=hmask)
-  scale = tl.sum(coef, axis=1) * r * r / D
-  ds = acc - scale[:, None, None] * x
-  tl.store(ds_ptr + base + off, ds.to(ds_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -169,6 +121,84 @@ def site_group_kernel(s_ptr, r_ptr, t_ptr, pin_ptr, plin_ptr, I0, NS, KP, N,
     tl.store(plse_ptr + (h4 - nh), lse, mask=hm4 & rest[:, None, None])
 
 
+@triton.jit
+def source_group_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr,
+                             pain_ptr, pcin_ptr, SI, J0, M, KP, N,
+                             ds_ptr, pacc_ptr, pcoef_ptr, dlr_ptr,
+                             G: tl.constexpr, GP: tl.constexpr,
+                             RESUME: tl.constexpr,
+                             D: tl.constexpr, H: tl.constexpr,
+                             C: tl.constexpr, HP: tl.constexpr,
+                             CP: tl.constexpr, BN: tl.constexpr,
+                             STAGES: tl.constexpr):
+  """One token tile of the gradients of sources ``SI, SI-1, .., SI-G+1``
+  from site rows ``J0 .. J0+M-1`` (``stack.source_group_grad``).
+
+  ``s_ptr [R, N, D]``, ``r_ptr [R, N]``, ``dx_ptr [R, N, D]``, ``t_ptr [R,
+  D]``, ``lse_ptr``/``xd_ptr [R, N, H]``. RESUME (G = 1): the sums start
+  from row ``KP`` of ``pain_ptr [K, N, D]`` / ``pcin_ptr [K, N, H]``.
+  Outputs: source ``SI``'s ``ds_ptr [N, D]``; the other sources' partial
+  sums into ``pacc_ptr [G-1, N, D]`` (source dtype) / ``pcoef_ptr [G-1, N,
+  H]`` (1-element dummies when G = 1); ``dlr_ptr [G, M, N, H]`` = dlogit r.
+  """
+  tile = tl.program_id(0)
+  col, cmask = _cols(H, C, HP, CP)
+  base, off, mask, hbase, hoff, hmask = _rows(tile, N, col, cmask, D, H, HP,
+                                                 BN)
+  rows = tile * BN + tl.arange(0, BN)
+  nd = N.to(tl.int64) * D
+  nh = N.to(tl.int64) * H
+  g = tl.arange(0, GP)
+  gmask = g < G
+  g64 = g.to(tl.int64)
+  src = (SI - g).to(tl.int64)                             # [GP] source rows
+  m4 = gmask[:, None, None, None] & mask[None, :, :, :]
+  x = tl.load(s_ptr + src[:, None, None, None] * nd + base + off[None],
+              mask=m4, other=0.0).to(tl.float32)          # [GP, BN, HP, CP]
+  r = tl.load(r_ptr + src[:, None] * N + rows[None, :],
+              mask=gmask[:, None] & (rows < N)[None, :], other=0.0)
+  r = r[:, :, None]                                       # [GP, BN, 1]
+  if RESUME:
+    kp = KP.to(tl.int64)
+    acc = tl.load(pain_ptr + kp * nd + base + off, mask=mask,
+                  other=0.0).to(tl.float32)[None, :, :, :]
+    coef = tl.load(pcin_ptr + kp * nh + hbase + hoff, mask=hmask,
+                   other=0.0)[None, :, :]
+  else:
+    acc = tl.zeros((GP, BN, HP, CP), tl.float32)
+    coef = tl.zeros((GP, BN, HP), tl.float32)
+  hm4 = gmask[:, None, None] & hmask[None, :, :]
+  dlr_rows = g64[:, None, None] * M * nh + hbase + hoff[None, :, :]
+  for k in tl.range(0, M, num_stages=STAGES):
+    j = (J0 + k).to(tl.int64)
+    dx = tl.load(dx_ptr + j * nd + base + off, mask=mask,
+                 other=0.0).to(tl.float32)[None, :, :, :]
+    tk = tl.load(t_ptr + j * D + col, mask=cmask, other=0.0)[None, None]
+    lse = tl.load(lse_ptr + j * nh + hbase + hoff, mask=hmask,
+                  other=0.0)[None, :, :]
+    xd = tl.load(xd_ptr + j * nh + hbase + hoff, mask=hmask,
+                 other=0.0)[None, :, :]
+    logit = r * tl.sum(x * tk, axis=3)                    # [GP, BN, HP]
+    w = tl.exp(logit - lse)
+    dl = w * (tl.sum(dx * x, axis=3) - xd)
+    dlr = dl * r
+    acc += w[:, :, :, None] * dx + dlr[:, :, :, None] * tk
+    coef += dl * logit
+    tl.store(dlr_ptr + dlr_rows + k * nh, dlr, mask=hm4)
+  scale = tl.sum(coef, axis=2)[:, :, None, None] * r[:, :, :, None] * \
+      r[:, :, :, None] / D
+  ds = acc - scale * x
+  o4 = g64[:, None, None, None] * nd + base + off[None, :, :, :]
+  first = (g == 0)[:, None, None, None]
+  tl.store(ds_ptr + o4, ds.to(ds_ptr.dtype.element_ty), mask=m4 & first)
+  if G > 1:
+    rest = g >= 1
+    tl.store(pacc_ptr + (o4 - nd), acc.to(pacc_ptr.dtype.element_ty),
+             mask=m4 & rest[:, None, None, None])
+    h4 = g64[:, None, None] * nh + hbase + hoff[None, :, :]
+    tl.store(pcoef_ptr + (h4 - nh), coef, mask=hm4 & rest[:, None, None])
+
+
 # site_group_kernel: each thread holds about this many fp32 accumulator
 # elements (G sites x BN tokens x padded width over the threads).
 GROUP_ACC_PER_THREAD = 64
@@ -210,6 +240,77 @@ def site_group_local(S, R, t, i0: int, ns: int, resume, h: int):
   return out, lse, pout, plse
 
 
+def group_grad_tokens_per_program(d: int, h: int, g: int) -> int:
+  # two [G, BN, width] fp32 tiles live: the sources and the accumulators
+  return _tokens_per_program(2 * _pow2(g) * _pow2(h) * _pow2(d // h),
+                             GROUP_ACC_PER_THREAD, GROUP_WARPS)
+
+
+def source_group_grad_local(S, R, dX, t, lse, xd, si: int, g: int, j0: int,
+                            m: int, resume, h: int):
+  """:func:`mhar_jax.kernels.stack.source_group_grad` on local ``[R, N,
+  ...]`` buffers."""
+  _, n, d = S.shape
+  c = d // h
+  if resume is not None and g != 1:
+    raise ValueError(f"source_group_grad: resuming serves one source, got {g}.")
+  pain, pcin, kp = resume if resume is not None else (t, t, 0)
+  bn = group_grad_tokens_per_program(d, h, g)
+  one = jax.ShapeDtypeStruct((1,), jnp.float32)
+  ds, pacc, pcoef, dlr = jt.triton_call(
+      S, R, dX, t, lse, xd, pain, pcin, si, j0, m, kp, n,
+      kernel=source_group_grad_kernel,
+      out_shape=[jax.ShapeDtypeStruct((n, d), S.dtype),
+                 jax.ShapeDtypeStruct((g - 1, n, d), S.dtype) if g > 1
+                 else one,
+                 jax.ShapeDtypeStruct((g - 1, n, h), jnp.float32) if g > 1
+                 else one,
+                 jax.ShapeDtypeStruct((g, m, n, h), jnp.float32)],
+      grid=(triton.cdiv(n, bn),), num_warps=GROUP_WARPS, num_stages=1,
+      G=g, GP=_pow2(g), RESUME=resume is not None,
+      D=d, H=h, C=c, HP=_pow2(h), CP=_pow2(c), BN=bn, STAGES=STAGES)
+  if g == 1:
+    pacc = jnp.zeros((0, n, d), S.dtype)
+    pcoef = jnp.zeros((0, n, h), jnp.float32)
+  # dt[q, k] = sum_n dlr[q, k, n, h] s_{si-q}[n, c]: one read of the sources
+  srcs = jax.lax.slice_in_dim(S, si - g + 1, si + 1)[::-1]
+  dt = jnp.einsum("qknh,qnhc->qkhc", dlr,
+                  srcs.astype(jnp.float32).reshape(g, n, h, c))
+  return ds, pacc, pcoef, dt.reshape(g, m, d)
+
+
+def source_group_grad(S, R, dX, t, lse, xd, si: int, g: int, j0: int, m: int,
+                      resume, h: int, mesh=None, batch_axes=()):
+  """:func:`source_group_grad_local` on ``[R, tokens..., ...]`` buffers,
+  under ``shard_map`` over the batch axes of ``mesh`` when given (``dt``
+  psummed). Same interface as :func:`mhar_jax.kernels.stack.source_group_grad`."""
+  from jax.sharding import PartitionSpec as P
+
+  def local(S, R, dX, t, lse, xd, *partial):
+    loc = S.shape[1:-1]
+    d = S.shape[-1]
+    res = None
+    if partial:
+      res = (_flat_rows(partial[0], d), _flat_rows(partial[1], h), resume[2])
+    ds, pacc, pcoef, dt = source_group_grad_local(
+        _flat_rows(S, d), _flat_rows(R), _flat_rows(dX, d), t,
+        _flat_rows(lse, h), _flat_rows(xd, h), si, g, j0, m, res, h)
+    if mesh is not None and batch_axes:
+      dt = jax.lax.psum(dt, batch_axes)
+    return (ds.reshape(*loc, d), pacc.reshape(g - 1, *loc, d),
+            pcoef.reshape(g - 1, *loc, h), dt)
+
+  partial = () if resume is None else tuple(resume[:2])
+  if mesh is None:
+    return local(S, R, dX, t, lse, xd, *partial)
+  tok, row, rows = _specs(S.ndim - 2, batch_axes)
+  return jax.shard_map(local, mesh=mesh,
+                       in_specs=(rows, row, rows, P(), rows, rows)
+                       + (rows,) * len(partial),
+                       out_specs=(tok, rows, rows, P()), check_vma=False)(
+                           S, R, dX, t, lse, xd, *partial)
+
+
 def site_group(S, R, t, i0: int, ns: int, resume, h: int, mesh=None,
                batch_axes=()):
   """:func:`site_group_local` on ``[R, tokens..., ...]`` buffers, under
@@ -239,32 +340,121 @@ def site_group(S, R, t, i0: int, ns: int, resume, h: int, mesh=None,
                            S, R, t, *partial)
 
 
-def tokens_per_program(d: int, h: int) -> int:
-  return _tokens_per_program(_pow2(h) * _pow2(d // h), ELEMS_PER_THREAD, WARPS)
+def _specs(ndim_tokens: int, batch_axes):
+  """PartitionSpecs ``(tok [tokens..., D], row [R, tokens...], rows [R,
+  tokens..., D or H])`` with the first token dim over ``batch_axes``."""
+  from jax.sharding import PartitionSpec as P
+  first = (batch_axes if len(batch_axes) > 1 else batch_axes[0]) \
+      if batch_axes else None
+  rest = [None] * (ndim_tokens - 1)
+  return (P(first, *rest, None), P(None, first, *rest),
+          P(None, first, *rest, None))
 
 
-def source_grad_local(S, R, dX, t, lse, xd, i: int, h: int):
-  """One source's gradient on local (unsharded) arrays.
+def _flat_rows(x, last=None):
+  """``[R, tokens..., last]`` -> ``[R, N, last]`` (or ``[R, N]``)."""
+  return x.reshape(x.shape[0], -1) if last is None else x.reshape(
+      x.shape[0], -1, last)
 
-  ``S [R, N, D]``, ``R [R, N]`` (sources and their inverse RMS; row ``i``),
-  ``dX [R, N, D]``, ``t [R, D]``, ``lse``/``xd`` ``[R, N, H]``; sites
-  ``i .. R-1`` read the source. Returns ``(ds [N, D], dt [R - i, D])`` with
-  ``dt`` this source's share of the query-gain gradient of those sites.
-  """
+
+def group_grad_tokens_per_program(d: int, h: int, g: int) -> int:
+  # two [G, BN, width] fp32 tiles live: the sources and the accumulators
+  return _tokens_per_program(2 * _pow2(g) * _pow2(h) * _pow2(d // h),
+                             GROUP_ACC_PER_THREAD, GROUP_WARPS)
+
+
+def source_group_grad_local(S, R, dX, t, lse, xd, si: int, g: int, j0: int,
+                            m: int, resume, h: int):
+  """:func:`mhar_jax.kernels.stack.source_group_grad` on local ``[R, N,
+  ...]`` buffers."""
   _, n, d = S.shape
-  m = dX.shape[0] - i
   c = d // h
-  bn = tokens_per_program(d, h)
-  ds, dlr = jt.triton_call(
-      S, R, dX, t, lse, xd, i, m, n,
-      kernel=source_grad_kernel,
+  if resume is not None and g != 1:
+    raise ValueError(f"source_group_grad: resuming serves one source, got {g}.")
+  pain, pcin, kp = resume if resume is not None else (t, t, 0)
+  bn = group_grad_tokens_per_program(d, h, g)
+  one = jax.ShapeDtypeStruct((1,), jnp.float32)
+  ds, pacc, pcoef, dlr = jt.triton_call(
+      S, R, dX, t, lse, xd, pain, pcin, si, j0, m, kp, n,
+      kernel=source_group_grad_kernel,
       out_shape=[jax.ShapeDtypeStruct((n, d), S.dtype),
-                 jax.ShapeDtypeStruct((m, n, h), jnp.float32)],
-      grid=(triton.cdiv(n, bn),), num_warps=WARPS, num_stages=1,
+                 jax.ShapeDtypeStruct((g - 1, n, d), S.dtype) if g > 1
+                 else one,
+                 jax.ShapeDtypeStruct((g - 1, n, h), jnp.float32) if g > 1
+                 else one,
+                 jax.ShapeDtypeStruct((g, m, n, h), jnp.float32)],
+      grid=(triton.cdiv(n, bn),), num_warps=GROUP_WARPS, num_stages=1,
+      G=g, GP=_pow2(g), RESUME=resume is not None,
       D=d, H=h, C=c, HP=_pow2(h), CP=_pow2(c), BN=bn, STAGES=STAGES)
-  dt = jnp.einsum("mnh,nhc->mhc", dlr,
-                  S[i].astype(jnp.float32).reshape(n, h, c)).reshape(m, d)
-  return ds, dt
+  if g == 1:
+    pacc = jnp.zeros((0, n, d), S.dtype)
+    pcoef = jnp.zeros((0, n, h), jnp.float32)
+  # dt[q, k] = sum_n dlr[q, k, n, h] s_{si-q}[n, c]: one read of the sources
+  srcs = jax.lax.slice_in_dim(S, si - g + 1, si + 1)[::-1]
+  dt = jnp.einsum("qknh,qnhc->qkhc", dlr,
+                  srcs.astype(jnp.float32).reshape(g, n, h, c))
+  return ds, pacc, pcoef, dt.reshape(g, m, d)
+
+
+def source_group_grad(S, R, dX, t, lse, xd, si: int, g: int, j0: int, m: int,
+                      resume, h: int, mesh=None, batch_axes=()):
+  """:func:`source_group_grad_local` on ``[R, tokens..., ...]`` buffers,
+  under ``shard_map`` over the batch axes of ``mesh`` when given (``dt``
+  psummed). Same interface as :func:`mhar_jax.kernels.stack.source_group_grad`."""
+  from jax.sharding import PartitionSpec as P
+
+  def local(S, R, dX, t, lse, xd, *partial):
+    loc = S.shape[1:-1]
+    d = S.shape[-1]
+    res = None
+    if partial:
+      res = (_flat_rows(partial[0], d), _flat_rows(partial[1], h), resume[2])
+    ds, pacc, pcoef, dt = source_group_grad_local(
+        _flat_rows(S, d), _flat_rows(R), _flat_rows(dX, d), t,
+        _flat_rows(lse, h), _flat_rows(xd, h), si, g, j0, m, res, h)
+    if mesh is not None and batch_axes:
+      dt = jax.lax.psum(dt, batch_axes)
+    return (ds.reshape(*loc, d), pacc.reshape(g - 1, *loc, d),
+            pcoef.reshape(g - 1, *loc, h), dt)
+
+  partial = () if resume is None else tuple(resume[:2])
+  if mesh is None:
+    return local(S, R, dX, t, lse, xd, *partial)
+  tok, row, rows = _specs(S.ndim - 2, batch_axes)
+  return jax.shard_map(local, mesh=mesh,
+                       in_specs=(rows, row, rows, P(), rows, rows)
+                       + (rows,) * len(partial),
+                       out_specs=(tok, rows, rows, P()), check_vma=False)(
+                           S, R, dX, t, lse, xd, *partial)
+
+
+def site_group(S, R, t, i0: int, ns: int, resume, h: int, mesh=None,
+               batch_axes=()):
+  """:func:`site_group_local` on ``[R, tokens..., ...]`` buffers, under
+  ``shard_map`` over the batch axes of ``mesh`` when given. Same interface
+  and outputs as :func:`mhar_jax.kernels.stack.site_group`."""
+  from jax.sharding import PartitionSpec as P
+  g = t.shape[0]
+
+  def local(S, R, t, *partial):
+    loc = S.shape[1:-1]
+    d = S.shape[-1]
+    res = None
+    if partial:
+      res = (_flat_rows(partial[0], d), _flat_rows(partial[1], h), resume[2])
+    out, lse, pout, plse = site_group_local(_flat_rows(S, d), _flat_rows(R),
+                                            t, i0, ns, res, h)
+    return (out.reshape(*loc, d), lse.reshape(*loc, h),
+            pout.reshape(g - 1, *loc, d), plse.reshape(g - 1, *loc, h))
+
+  partial = () if resume is None else tuple(resume[:2])
+  if mesh is None:
+    return local(S, R, t, *partial)
+  tok, row, rows = _specs(S.ndim - 2, batch_axes)
+  return jax.shard_map(local, mesh=mesh,
+                       in_specs=(rows, row, P()) + (rows,) * len(partial),
+                       out_specs=(tok, tok, rows, rows), check_vma=False)(
+                           S, R, t, *partial)
 
 
 def _specs(ndim_tokens: int, batch_axes):
