@@ -102,9 +102,11 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
   group = site_group_size(n) if site_group is None else int(site_group)
   plan = _Plan(num_heads, float(eps), resolve_impl(impl), group=group)
   if plan.impl == "triton":
-    from mhar_jax.kernels import triton_route
+    from mhar_jax.kernels import triton_route, triton_stack
     mesh, axes = triton_route.sharding_plan(h)
-    plan = dataclasses.replace(plan, mesh=mesh, batch_axes=axes)
+    plan = dataclasses.replace(
+        plan, mesh=mesh, batch_axes=axes,
+        bwd_group=min(group, triton_stack.max_grad_group(d, num_heads)))
   return _stack(h, tuple(params), queries, gains, consts, apply, plan)
 
 
@@ -140,6 +142,7 @@ class _Plan:
   eps: float
   impl: str                 # "reference" | "triton"
   group: int = 1            # sites per pass of the buffered forward
+  bwd_group: int | None = None  # sources per backward pass (None: group)
   mesh: Any = None          # triton: shard_map over this mesh's batch axes
   batch_axes: tuple = ()
   # Whole-stack buffers (what the kernels read; always with triton) or
@@ -391,10 +394,11 @@ def _stack_bwd(apply, plan, res, g):
     dxs[n], xds[n] = g, dot_heads(g, xs[n])
   dh = None
   i0 = partial = None
+  bwd_group = plan.group if plan.bwd_group is None else plan.bwd_group
   for i in range(n, -1, -1):            # source i is read by sites i .. n
-    if plan.use_buffers and (i0 is None or i0 - i >= plan.group):
+    if plan.use_buffers and (i0 is None or i0 - i >= bwd_group):
       # sources i .. i-gs+1 in one pass over the rows i .. n
-      i0, gs = i, min(plan.group, i + 1)
+      i0, gs = i, min(bwd_group, i + 1)
       ds, pacc, pcoef, dti = _source_group_grad(
           sources, rs, dX, tt, lse, xd, i, gs, i, n + 1 - i, None, plan)
       partial = (pacc, pcoef)

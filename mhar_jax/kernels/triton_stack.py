@@ -240,6 +240,15 @@ def site_group_local(S, R, t, i0: int, ns: int, resume, h: int):
   return out, lse, pout, plse
 
 
+def max_grad_group(d: int, h: int) -> int:
+  """Largest power-of-two group whose two ``[G, 1, width]`` fp32 tiles fit
+  the register budget of one program (8 at D = 512, 4 at D = 1280)."""
+  width = _pow2(h) * _pow2(d // h)
+  budget = GROUP_ACC_PER_THREAD * 32 * GROUP_WARPS
+  g = max(1, budget // (2 * width))
+  return 1 << (g.bit_length() - 1)
+
+
 def group_grad_tokens_per_program(d: int, h: int, g: int) -> int:
   # two [G, BN, width] fp32 tiles live: the sources and the accumulators
   return _tokens_per_program(2 * _pow2(g) * _pow2(h) * _pow2(d // h),
