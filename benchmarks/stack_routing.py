@@ -14,7 +14,8 @@ gain) of:
 * ``full/source``: the full method as one
   :func:`mhar_jax.kernels.stack.routed_stack` (``routing_backward="source"``);
 * ``full/source g1``: the same with ``site_group=1`` (each site's forward
-  reads all its sources; the default serves groups of sites with one pass);
+  reads all its sources and each source's backward all its readers'
+  cotangents; the default serves groups of sites / sources with one pass);
 * ``block8/site``: Block MHAR with 8 blocks, ``route`` at every site;
 
 each with the Triton kernels and the jnp reference (XLA). Printed: ms per

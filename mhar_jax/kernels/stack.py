@@ -80,8 +80,10 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
       else jnp), ``"reference"`` or ``"triton"``, as for
       :func:`mhar_jax.kernels.route`.
     site_group: sites served by one pass over their common sources in the
-      forward of the Triton path (1: none); ``None`` picks the byte-minimal
-      size (:func:`site_group_size`). Changes rounding only.
+      forward of the Triton path, and sources per pass over their readers'
+      cotangents in its backward (capped by the kernel's registers); 1:
+      none; ``None`` picks the byte-minimal size (:func:`site_group_size`).
+      Changes rounding only.
 
   Returns:
     ``x_n`` ``[..., D]`` in ``h``'s dtype.
