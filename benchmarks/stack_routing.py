@@ -95,6 +95,16 @@ def routing_bytes(n, blocks, e):
   return (sum(s + 1 for s in counts) * e, sum(3 * s + 2 for s in counts) * e)
 
 
+def stack_copies(fn, args, rows):
+  """Copies of whole-stack buffers (leading dim ``rows``) in the optimised
+  HLO: an in-place buffer update that XLA could not keep in place shows up
+  here (and costs the whole buffer per update)."""
+  import re
+  text = fn.lower(*args).compile().as_text()
+  pat = re.compile(rf"= \w+\[{rows},[^\]]*\][^ ]* (copy|copy-start)\(")
+  return sum(1 for line in text.splitlines() if pat.search(line))
+
+
 def median_ms(fn, args, reps=9):
   jax.block_until_ready(fn(*args))
   jax.block_until_ready(fn(*args))
@@ -152,20 +162,22 @@ def run_shape(name, impls, heads, seed=0):
   for label, impl, f, blocks in variants:
     t0 = time.perf_counter()
     try:
-      ms = median_ms(timed(f), (h, ps, queries, gains))
+      fn = timed(f)
+      copies = stack_copies(fn, (h, ps, queries, gains), n + 1)
+      ms = median_ms(fn, (h, ps, queries, gains))
     except Exception as e:  # noqa: BLE001  (report and go on)
       print(f"{name} {label} {impl}: FAILED {type(e).__name__}: {e}"[:400],
             flush=True)
       continue
     row = {"shape": name, "tokens": tokens, "d": d, "sublayers": n,
-           "variant": label, "impl": impl, "ms": ms,
+           "variant": label, "impl": impl, "ms": ms, "stack_copies": copies,
            "wall_s": time.perf_counter() - t0}
     if blocks is not None:
       row["fwd_bytes"], row["fwdbwd_bytes"] = routing_bytes(
           n, blocks, tokens * d * 2)
     rows.append(row)
-    print(f"{name} {label} {impl}: {ms:.2f} ms (wall {row['wall_s']:.0f}s)",
-          flush=True)
+    print(f"{name} {label} {impl}: {ms:.2f} ms, {copies} whole-stack copies"
+          f" (wall {row['wall_s']:.0f}s)", flush=True)
   return rows
 
 

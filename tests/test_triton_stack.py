@@ -74,10 +74,10 @@ def test_source_group_grad_kernel_matches_reference(kernel_module, n_tok, d, h,
   ts = kernel_module
   T = lambda a: torch.from_numpy(np.ascontiguousarray(a))
   J = lambda a: jnp.asarray(a)
-  meta = dict(D=d, H=h, C=c, HP=ts._pow2(h), CP=ts._pow2(c), STAGES=ts.STAGES)
+  meta = dict(D=d, H=h, C=c, HP=ts._pow2(h), CP=ts._pow2(c), STAGES=ts.TUNING["stages"])
 
   def run(si, g, j0, m, resume):
-    bn = ts.group_grad_tokens_per_program(d, h, g)
+    bn, warps = ts.source_group_grad_launch(d, h, g)
     ds = torch.full((n_tok, d), float("nan"))
     pacc = torch.full((max(g - 1, 1), n_tok, d), float("nan"))
     pcoef = torch.full((max(g - 1, 1), n_tok, h), float("nan"))
@@ -134,11 +134,11 @@ def test_site_group_kernel_matches_reference(kernel_module, n_tok, d, h, g,
   ts = kernel_module
   T = lambda a: torch.from_numpy(np.ascontiguousarray(a))
   c = d // h
-  meta = dict(D=d, H=h, C=c, HP=ts._pow2(h), CP=ts._pow2(c), STAGES=ts.STAGES)
+  meta = dict(D=d, H=h, C=c, HP=ts._pow2(h), CP=ts._pow2(c), STAGES=ts.TUNING["stages"])
 
   def run(t, i0, ns, resume):
     gg = t.shape[0]
-    bn = ts.group_tokens_per_program(d, h, gg)
+    bn, warps = ts.site_group_launch(d, h, gg)
     out = torch.full((n_tok, d), float("nan"))
     lse = torch.full((n_tok, h), float("nan"))
     pout = torch.full((max(gg - 1, 1), n_tok, d), float("nan"))

@@ -39,6 +39,9 @@ and on the GPU (tests/test_stack_gpu.py).
 
 from __future__ import annotations
 
+import json
+import os
+
 import jax
 import jax.numpy as jnp
 import jax_triton as jt
@@ -47,7 +50,6 @@ import triton.language as tl
 
 from mhar_jax.kernels.triton_route import _cols, _pow2, _rows, _tokens_per_program
 
-STAGES = 2
 
 
 @triton.jit
@@ -82,11 +84,11 @@ def site_group_kernel(s_ptr, r_ptr, t_ptr, pin_ptr, plin_ptr, I0, NS, KP, N,
               mask=gmask[:, None, None] & cmask[None, :, :], other=0.0)
   t = t[:, None, :, :]                                    # [GP, 1, HP, CP]
   if RESUME:
-    kp = KP.to(tl.int64)
-    m = tl.load(plin_ptr + kp * nh + hbase + hoff, mask=hmask,
+    # KP may arrive as a Python int (Triton specialises 0 and 1)
+    m = tl.load(plin_ptr + nh * KP + hbase + hoff, mask=hmask,
                 other=0.0)[None, :, :]
     l = tl.full((GP, BN, HP), 1.0, tl.float32)
-    acc = tl.load(pin_ptr + kp * nd + base + off, mask=mask,
+    acc = tl.load(pin_ptr + nd * KP + base + off, mask=mask,
                   other=0.0).to(tl.float32)[None, :, :, :]
   else:
     m = tl.full((GP, BN, HP), float("-inf"), tl.float32)
@@ -159,10 +161,9 @@ def source_group_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr,
               mask=gmask[:, None] & (rows < N)[None, :], other=0.0)
   r = r[:, :, None]                                       # [GP, BN, 1]
   if RESUME:
-    kp = KP.to(tl.int64)
-    acc = tl.load(pain_ptr + kp * nd + base + off, mask=mask,
+    acc = tl.load(pain_ptr + nd * KP + base + off, mask=mask,
                   other=0.0).to(tl.float32)[None, :, :, :]
-    coef = tl.load(pcin_ptr + kp * nh + hbase + hoff, mask=hmask,
+    coef = tl.load(pcin_ptr + nh * KP + hbase + hoff, mask=hmask,
                    other=0.0)[None, :, :]
   else:
     acc = tl.zeros((GP, BN, HP, CP), tl.float32)
@@ -199,15 +200,43 @@ def source_group_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr,
     tl.store(pcoef_ptr + (h4 - nh), coef, mask=hm4 & rest[:, None, None])
 
 
-# site_group_kernel: each thread holds about this many fp32 accumulator
-# elements (G sites x BN tokens x padded width over the threads).
-GROUP_ACC_PER_THREAD = 64
-GROUP_WARPS = 8
+# Tiles: a program's BN tokens are chosen so that each thread holds at most
+# `*_row` fp32 elements of one [BN, width] tile (width = padded D) and at most
+# `*_acc` of the G-wide tiles (forward: G accumulators; backward: G sources
+# and G accumulators), with `*_warps_small` warps for small groups (forward
+# G <= 4, backward G <= 2) and `*_warps_large` above. `stages`: software
+# pipelining depth of the runtime row loops. Override for a sweep with
+# MHAR_STACK_TUNING='{"fwd_acc": 32}' (read at import).
+TUNING: dict = {"fwd_row": 16, "fwd_acc": 64, "fwd_warps_small": 4,
+                "fwd_warps_large": 8, "bwd_row": 16, "bwd_acc": 64,
+                "bwd_warps_small": 4, "bwd_warps_large": 8, "stages": 2}
+TUNING.update(json.loads(os.environ.get("MHAR_STACK_TUNING", "") or "{}"))
 
 
-def group_tokens_per_program(d: int, h: int, g: int) -> int:
-  return _tokens_per_program(_pow2(g) * _pow2(h) * _pow2(d // h),
-                             GROUP_ACC_PER_THREAD, GROUP_WARPS)
+def _tile(width: int, tiles: int, row: int, acc: int, warps: int) -> int:
+  """Tokens per program: a power of two in [1, 64] within both budgets."""
+  return min(_tokens_per_program(width, row, warps),
+             _tokens_per_program(tiles * width, acc, warps))
+
+
+def _width(d: int, h: int) -> int:
+  return _pow2(h) * _pow2(d // h)
+
+
+def site_group_launch(d: int, h: int, g: int) -> tuple[int, int]:
+  """``(tokens per program, warps)`` of :func:`site_group_kernel`."""
+  tu = TUNING
+  warps = tu["fwd_warps_small"] if g <= 4 else tu["fwd_warps_large"]
+  return _tile(_width(d, h), _pow2(g), tu["fwd_row"], tu["fwd_acc"],
+               warps), warps
+
+
+def source_group_grad_launch(d: int, h: int, g: int) -> tuple[int, int]:
+  """``(tokens per program, warps)`` of :func:`source_group_grad_kernel`."""
+  tu = TUNING
+  warps = tu["bwd_warps_small"] if g <= 2 else tu["bwd_warps_large"]
+  return _tile(_width(d, h), 2 * _pow2(g), tu["bwd_row"], tu["bwd_acc"],
+               warps), warps
 
 
 def site_group_local(S, R, t, i0: int, ns: int, resume, h: int):
@@ -220,7 +249,7 @@ def site_group_local(S, R, t, i0: int, ns: int, resume, h: int):
   if resume is not None and g != 1:
     raise ValueError(f"site_group: resuming serves one site, got {g}.")
   pin, plin, kp = resume if resume is not None else (t, t, 0)
-  bn = group_tokens_per_program(d, h, g)
+  bn, warps = site_group_launch(d, h, g)
   one = jax.ShapeDtypeStruct((1,), jnp.float32)
   out, lse, pout, plse = jt.triton_call(
       S, R, t, pin, plin, i0, ns, kp, n,
@@ -231,9 +260,10 @@ def site_group_local(S, R, t, i0: int, ns: int, resume, h: int):
                  else one,
                  jax.ShapeDtypeStruct((g - 1, n, h), jnp.float32) if g > 1
                  else one],
-      grid=(triton.cdiv(n, bn),), num_warps=GROUP_WARPS, num_stages=1,
+      grid=(triton.cdiv(n, bn),), num_warps=warps, num_stages=1,
       G=g, GP=_pow2(g), RESUME=resume is not None,
-      D=d, H=h, C=c, HP=_pow2(h), CP=_pow2(c), BN=bn, STAGES=STAGES)
+      D=d, H=h, C=c, HP=_pow2(h), CP=_pow2(c), BN=bn,
+      STAGES=TUNING["stages"])
   if g == 1:
     pout = jnp.zeros((0, n, d), S.dtype)
     plse = jnp.zeros((0, n, h), jnp.float32)
@@ -241,20 +271,14 @@ def site_group_local(S, R, t, i0: int, ns: int, resume, h: int):
 
 
 def max_grad_group(d: int, h: int) -> int:
-  """Largest power-of-two group whose two ``[G, 1, width]`` fp32 tiles fit
-  the register budget of one program (8 at D = 512, 4 at D = 1280)."""
-  width = _pow2(h) * _pow2(d // h)
-  budget = GROUP_ACC_PER_THREAD * 32 * GROUP_WARPS
-  g = max(1, budget // (2 * width))
+  """Largest power-of-two group whose ``2 G`` one-token tiles fit the
+  backward's register budget (16 at D = 512, 8 at 1024, 4 at 1280)."""
+  tu = TUNING
+  budget = tu["bwd_acc"] * 32 * tu["bwd_warps_large"]
+  g = max(1, budget // (2 * _width(d, h)))
   return 1 << (g.bit_length() - 1)
 
 
-def group_grad_tokens_per_program(d: int, h: int, g: int) -> int:
-  # two [G, BN, width] fp32 tiles live: the sources and the accumulators
-  return _tokens_per_program(2 * _pow2(g) * _pow2(h) * _pow2(d // h),
-                             GROUP_ACC_PER_THREAD, GROUP_WARPS)
-
-
 def source_group_grad_local(S, R, dX, t, lse, xd, si: int, g: int, j0: int,
                             m: int, resume, h: int):
   """:func:`mhar_jax.kernels.stack.source_group_grad` on local ``[R, N,
@@ -264,7 +288,7 @@ def source_group_grad_local(S, R, dX, t, lse, xd, si: int, g: int, j0: int,
   if resume is not None and g != 1:
     raise ValueError(f"source_group_grad: resuming serves one source, got {g}.")
   pain, pcin, kp = resume if resume is not None else (t, t, 0)
-  bn = group_grad_tokens_per_program(d, h, g)
+  bn, warps = source_group_grad_launch(d, h, g)
   one = jax.ShapeDtypeStruct((1,), jnp.float32)
   ds, pacc, pcoef, dlr = jt.triton_call(
       S, R, dX, t, lse, xd, pain, pcin, si, j0, m, kp, n,
@@ -275,9 +299,10 @@ def source_group_grad_local(S, R, dX, t, lse, xd, si: int, g: int, j0: int,
                  jax.ShapeDtypeStruct((g - 1, n, h), jnp.float32) if g > 1
                  else one,
                  jax.ShapeDtypeStruct((g, m, n, h), jnp.float32)],
-      grid=(triton.cdiv(n, bn),), num_warps=GROUP_WARPS, num_stages=1,
+      grid=(triton.cdiv(n, bn),), num_warps=warps, num_stages=1,
       G=g, GP=_pow2(g), RESUME=resume is not None,
-      D=d, H=h, C=c, HP=_pow2(h), CP=_pow2(c), BN=bn, STAGES=STAGES)
+      D=d, H=h, C=c, HP=_pow2(h), CP=_pow2(c), BN=bn,
+      STAGES=TUNING["stages"])
   if g == 1:
     pacc = jnp.zeros((0, n, d), S.dtype)
     pcoef = jnp.zeros((0, n, h), jnp.float32)
@@ -364,146 +389,3 @@ def _flat_rows(x, last=None):
   """``[R, tokens..., last]`` -> ``[R, N, last]`` (or ``[R, N]``)."""
   return x.reshape(x.shape[0], -1) if last is None else x.reshape(
       x.shape[0], -1, last)
-
-
-def group_grad_tokens_per_program(d: int, h: int, g: int) -> int:
-  # two [G, BN, width] fp32 tiles live: the sources and the accumulators
-  return _tokens_per_program(2 * _pow2(g) * _pow2(h) * _pow2(d // h),
-                             GROUP_ACC_PER_THREAD, GROUP_WARPS)
-
-
-def source_group_grad_local(S, R, dX, t, lse, xd, si: int, g: int, j0: int,
-                            m: int, resume, h: int):
-  """:func:`mhar_jax.kernels.stack.source_group_grad` on local ``[R, N,
-  ...]`` buffers."""
-  _, n, d = S.shape
-  c = d // h
-  if resume is not None and g != 1:
-    raise ValueError(f"source_group_grad: resuming serves one source, got {g}.")
-  pain, pcin, kp = resume if resume is not None else (t, t, 0)
-  bn = group_grad_tokens_per_program(d, h, g)
-  one = jax.ShapeDtypeStruct((1,), jnp.float32)
-  ds, pacc, pcoef, dlr = jt.triton_call(
-      S, R, dX, t, lse, xd, pain, pcin, si, j0, m, kp, n,
-      kernel=source_group_grad_kernel,
-      out_shape=[jax.ShapeDtypeStruct((n, d), S.dtype),
-                 jax.ShapeDtypeStruct((g - 1, n, d), S.dtype) if g > 1
-                 else one,
-                 jax.ShapeDtypeStruct((g - 1, n, h), jnp.float32) if g > 1
-                 else one,
-                 jax.ShapeDtypeStruct((g, m, n, h), jnp.float32)],
-      grid=(triton.cdiv(n, bn),), num_warps=GROUP_WARPS, num_stages=1,
-      G=g, GP=_pow2(g), RESUME=resume is not None,
-      D=d, H=h, C=c, HP=_pow2(h), CP=_pow2(c), BN=bn, STAGES=STAGES)
-  if g == 1:
-    pacc = jnp.zeros((0, n, d), S.dtype)
-    pcoef = jnp.zeros((0, n, h), jnp.float32)
-  # dt[q, k] = sum_n dlr[q, k, n, h] s_{si-q}[n, c]: one read of the sources
-  srcs = jax.lax.slice_in_dim(S, si - g + 1, si + 1)[::-1]
-  dt = jnp.einsum("qknh,qnhc->qkhc", dlr,
-                  srcs.astype(jnp.float32).reshape(g, n, h, c))
-  return ds, pacc, pcoef, dt.reshape(g, m, d)
-
-
-def source_group_grad(S, R, dX, t, lse, xd, si: int, g: int, j0: int, m: int,
-                      resume, h: int, mesh=None, batch_axes=()):
-  """:func:`source_group_grad_local` on ``[R, tokens..., ...]`` buffers,
-  under ``shard_map`` over the batch axes of ``mesh`` when given (``dt``
-  psummed). Same interface as :func:`mhar_jax.kernels.stack.source_group_grad`."""
-  from jax.sharding import PartitionSpec as P
-
-  def local(S, R, dX, t, lse, xd, *partial):
-    loc = S.shape[1:-1]
-    d = S.shape[-1]
-    res = None
-    if partial:
-      res = (_flat_rows(partial[0], d), _flat_rows(partial[1], h), resume[2])
-    ds, pacc, pcoef, dt = source_group_grad_local(
-        _flat_rows(S, d), _flat_rows(R), _flat_rows(dX, d), t,
-        _flat_rows(lse, h), _flat_rows(xd, h), si, g, j0, m, res, h)
-    if mesh is not None and batch_axes:
-      dt = jax.lax.psum(dt, batch_axes)
-    return (ds.reshape(*loc, d), pacc.reshape(g - 1, *loc, d),
-            pcoef.reshape(g - 1, *loc, h), dt)
-
-  partial = () if resume is None else tuple(resume[:2])
-  if mesh is None:
-    return local(S, R, dX, t, lse, xd, *partial)
-  tok, row, rows = _specs(S.ndim - 2, batch_axes)
-  return jax.shard_map(local, mesh=mesh,
-                       in_specs=(rows, row, rows, P(), rows, rows)
-                       + (rows,) * len(partial),
-                       out_specs=(tok, rows, rows, P()), check_vma=False)(
-                           S, R, dX, t, lse, xd, *partial)
-
-
-def site_group(S, R, t, i0: int, ns: int, resume, h: int, mesh=None,
-               batch_axes=()):
-  """:func:`site_group_local` on ``[R, tokens..., ...]`` buffers, under
-  ``shard_map`` over the batch axes of ``mesh`` when given. Same interface
-  and outputs as :func:`mhar_jax.kernels.stack.site_group`."""
-  from jax.sharding import PartitionSpec as P
-  g = t.shape[0]
-
-  def local(S, R, t, *partial):
-    loc = S.shape[1:-1]
-    d = S.shape[-1]
-    res = None
-    if partial:
-      res = (_flat_rows(partial[0], d), _flat_rows(partial[1], h), resume[2])
-    out, lse, pout, plse = site_group_local(_flat_rows(S, d), _flat_rows(R),
-                                            t, i0, ns, res, h)
-    return (out.reshape(*loc, d), lse.reshape(*loc, h),
-            pout.reshape(g - 1, *loc, d), plse.reshape(g - 1, *loc, h))
-
-  partial = () if resume is None else tuple(resume[:2])
-  if mesh is None:
-    return local(S, R, t, *partial)
-  tok, row, rows = _specs(S.ndim - 2, batch_axes)
-  return jax.shard_map(local, mesh=mesh,
-                       in_specs=(rows, row, P()) + (rows,) * len(partial),
-                       out_specs=(tok, tok, rows, rows), check_vma=False)(
-                           S, R, t, *partial)
-
-
-def _specs(ndim_tokens: int, batch_axes):
-  """PartitionSpecs ``(tok [tokens..., D], row [R, tokens...], rows [R,
-  tokens..., D or H])`` with the first token dim over ``batch_axes``."""
-  from jax.sharding import PartitionSpec as P
-  first = (batch_axes if len(batch_axes) > 1 else batch_axes[0]) \
-      if batch_axes else None
-  rest = [None] * (ndim_tokens - 1)
-  return (P(first, *rest, None), P(None, first, *rest),
-          P(None, first, *rest, None))
-
-
-def _flat_rows(x, last=None):
-  """``[R, tokens..., last]`` -> ``[R, N, last]`` (or ``[R, N]``)."""
-  return x.reshape(x.shape[0], -1) if last is None else x.reshape(
-      x.shape[0], -1, last)
-
-
-def source_grad(S, R, dX, t, lse, xd, i: int, h: int, mesh=None,
-                batch_axes=()):
-  """:func:`source_grad_local` on ``[R, tokens..., ...]`` buffers, under
-  ``shard_map`` over the batch axes of ``mesh`` when given (``dt``
-  psummed)."""
-  from jax.sharding import PartitionSpec as P
-
-  def local(S, R, dX, t, lse, xd):
-    loc = S.shape[1:-1]
-    d = S.shape[-1]
-    ds, dt = source_grad_local(
-        _flat_rows(S, d), _flat_rows(R), _flat_rows(dX, d), t,
-        _flat_rows(lse, h), _flat_rows(xd, h), i, h)
-    if mesh is not None and batch_axes:
-      dt = jax.lax.psum(dt, batch_axes)
-    return ds.reshape(*loc, d), dt
-
-  if mesh is None:
-    return local(S, R, dX, t, lse, xd)
-  tok, row, rows = _specs(S.ndim - 2, batch_axes)
-  return jax.shard_map(local, mesh=mesh,
-                       in_specs=(rows, row, rows, P(), rows, rows),
-                       out_specs=(tok, P()), check_vma=False)(
-                           S, R, dX, t, lse, xd)
