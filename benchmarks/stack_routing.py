@@ -13,16 +13,13 @@ gain) of:
   site (one backward per site, what ``routing_backward="site"`` runs);
 * ``full/source``: the full method as one
   :func:`mhar_jax.kernels.stack.routed_stack` (``routing_backward="source"``);
-* ``full/source g1``: the same with ``site_group=1`` (each site's forward
-  reads all its sources and each source's backward all its readers'
-  cotangents; the default serves groups of sites / sources with one pass);
 * ``block8/site``: Block MHAR with 8 blocks, ``route`` at every site;
 
 each with the Triton kernels and the jnp reference (XLA). Printed: ms per
 microbatch, the routing's share (ms minus prenorm's), the bytes any routing
 implementation must move (forward: every live source read and the output
 written at every site; backward: the output cotangent and every source read,
-every source gradient written; grouped sites read less than this), and those bytes per routing-second as a share
+every source gradient written), and those bytes per routing-second as a share
 of a copy bandwidth measured in the same run (``x * c`` over 2 GiB).
 Multiplying the routing ms by the preset's microbatches per step gives its
 share of a training step (benchmarks/throughput.py).
@@ -147,13 +144,6 @@ def run_shape(name, impls, heads, seed=0):
             lambda h, ps, q, g, impl: routed_stack(
                 h, ps, _scale, q, g, None, num_heads=heads, impl=impl),
             impl=impl), full),
-    ]
-    if impl == "triton":   # the forward without site groups
-      variants.append(("full/source g1", impl, functools.partial(
-          lambda h, ps, q, g, impl: routed_stack(
-              h, ps, _scale, q, g, None, num_heads=heads, impl=impl,
-              site_group=1), impl=impl), full))
-    variants += [
         ("block8/site", impl, functools.partial(site_loop, blocks=block8,
                                                 heads=heads, impl=impl),
          block8),

@@ -14,8 +14,7 @@ the ratios to ``prenorm`` of the same preset measured in the same run.
 
 Schemes: ``prenorm``, ``hyper``, ``attnres``, ``mhar`` (H=8, the default
 source-major backward), ``mhar_b8`` (H=8, 8 blocks), ``mhar_site`` (H=8 with
-``routing_backward="site"``), ``mhar_g1`` (H=8, source-major, without
-site / source groups: ``routing_site_group=1``); append ``:reference`` or ``:triton`` to force
+``routing_backward="site"``); append ``:reference`` or ``:triton`` to force
 the routing implementation (e.g. ``mhar:reference``). Presets are config files in
 ``configs/`` (``100m``, ``350m``, ``1b``, ``bench100m``, ...).
 
@@ -49,7 +48,6 @@ SCHEMES = {
     "mhar_b8": dict(residual="mhar", routing_heads=8, num_blocks=8),
     "mhar_site": dict(residual="mhar", routing_heads=8,
                       routing_backward="site"),
-    "mhar_g1": dict(residual="mhar", routing_heads=8, routing_site_group=1),
 }
 
 

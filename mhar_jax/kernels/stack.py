@@ -20,22 +20,6 @@ emits a gradient for each of them that autodiff then sums (DESIGN.md §3).
 ``<dx_j, x_j>`` uses the site's output as the forward rounded it (the same
 choice as FlashAttention's ``rowsum(dO * O)``).
 
-The forward (whole-stack buffers, what the Triton path runs) keeps the
-sources in one ``[n + 1, ..., D]`` buffer filled in place, their inverse RMS
-in an ``[n + 1, ...]`` buffer, and serves ``G`` consecutive sites with one
-pass over the sources they all read (DESIGN.md §3, "two-phase"): when site
-``j0`` is due, sources ``0 .. j0`` are read once for the queries of sites
-``j0 .. j0+G-1``; site ``j0`` is then complete, and site ``j0 + k`` resumes
-from its partial softmax over those sources (stored normalised, in the
-sources' dtype, with its log-sum-exp) and reads only ``s_{j0+1} .. s_{j0+k}``.
-Bytes per group: ``j0 + 1`` source reads instead of ``G (j0 + 1)``, plus one
-partial written and read per resumed site (:func:`site_group_size`).
-The backward mirrors it: when source ``i0`` is due, the cotangents of sites
-``i0 .. n`` are read once for the gradients of sources ``i0 .. i0-G+1``;
-source ``i0 - k`` later adds the ``k`` rows its group's sublayers produced
-since (partial sums stored in the sources' dtype, per-head statistics in
-float32).
-
 Memory: the residuals are the sources, the sites' outputs (which the
 sublayers save anyway), ``[.., H]`` statistics per site and each sublayer's
 own autodiff residuals: the same as differentiating the loop.
@@ -60,8 +44,7 @@ Apply = Callable[[int, Any, jax.Array, Any], jax.Array]
 def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
                  queries: jax.Array, gains: jax.Array, consts: Any = None, *,
                  num_heads: int, eps: float = 1e-6,
-                 impl: str | None = None,
-                 site_group: int | None = None) -> jax.Array:
+                 impl: str | None = None) -> jax.Array:
   """The output of the last routing site of a fully routed stack.
 
   Args:
@@ -79,11 +62,6 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
     impl: ``"auto"`` / ``None`` (Triton on a CUDA backend with jax-triton,
       else jnp), ``"reference"`` or ``"triton"``, as for
       :func:`mhar_jax.kernels.route`.
-    site_group: sites served by one pass over their common sources in the
-      forward of the Triton path, and sources per pass over their readers'
-      cotangents in its backward (capped by the kernel's registers); 1:
-      none; ``None`` picks the byte-minimal size (:func:`site_group_size`).
-      Changes rounding only.
 
   Returns:
     ``x_n`` ``[..., D]`` in ``h``'s dtype.
@@ -98,43 +76,12 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
   if num_heads < 1 or d % num_heads:
     raise ValueError(f"routed_stack: num_heads={num_heads} must be >= 1 and"
                      f" divide the width D={d}.")
-  if site_group is not None and not 1 <= int(site_group) <= MAX_SITE_GROUP:
-    raise ValueError(f"routed_stack: site_group={site_group} must be in"
-                     f" 1..{MAX_SITE_GROUP} (or None for automatic).")
-  group = site_group_size(n) if site_group is None else int(site_group)
-  plan = _Plan(num_heads, float(eps), resolve_impl(impl), group=group)
+  plan = _Plan(num_heads, float(eps), resolve_impl(impl))
   if plan.impl == "triton":
-    from mhar_jax.kernels import triton_route, triton_stack
+    from mhar_jax.kernels import triton_route
     mesh, axes = triton_route.sharding_plan(h)
-    plan = dataclasses.replace(
-        plan, mesh=mesh, batch_axes=axes,
-        bwd_group=min(group, triton_stack.max_grad_group(d, num_heads)))
+    plan = dataclasses.replace(plan, mesh=mesh, batch_axes=axes)
   return _stack(h, tuple(params), queries, gains, consts, apply, plan)
-
-
-MAX_SITE_GROUP = 8
-
-
-def forward_bytes(n: int, group: int) -> int:
-  """Source-sized reads and writes of the buffered forward of ``n``
-  sublayers (``n + 1`` sites) in groups of ``group`` sites."""
-  total, j = 0, 0
-  while j <= n:
-    gs = min(group, n + 1 - j)
-    # one pass over s_0..s_j; writes x_j and gs - 1 partials; then each
-    # resumed site reads its partial and k new sources and writes x_{j+k}
-    total += (j + 1) + gs + sum(k + 2 for k in range(1, gs))
-    j += gs
-  return total
-
-
-def site_group_size(n: int) -> int:
-  """The power-of-two group size up to ``MAX_SITE_GROUP`` with the fewest
-  forward bytes (:func:`forward_bytes`): 4 at 24 sublayers, 8 at 48 and 72.
-  (The kernel pads the group to a power of two, so others waste registers.)"""
-  sizes = [1 << k for k in range(MAX_SITE_GROUP.bit_length())
-           if 1 << k <= MAX_SITE_GROUP]
-  return min(sizes, key=lambda g: (forward_bytes(n, g), g))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,24 +90,26 @@ class _Plan:
   num_heads: int
   eps: float
   impl: str                 # "reference" | "triton"
-  group: int = 1            # sites per pass of the buffered forward
-  bwd_group: int | None = None  # sources per backward pass (None: group)
   mesh: Any = None          # triton: shard_map over this mesh's batch axes
   batch_axes: tuple = ()
-  # Whole-stack buffers (what the kernels read; always with triton) or
+  # Backward bookkeeping: whole-stack buffers (what the kernel reads) or
   # Python lists of per-site arrays (the jnp path: no buffer, no copies, the
-  # loop's memory).
-  buffers: bool = False
+  # loop's memory). The default follows impl.
+  buffers: bool | None = None
 
   @property
   def use_buffers(self) -> bool:
-    return self.impl == "triton" or bool(self.buffers)
+    return self.impl == "triton" if self.buffers is None else self.buffers
 
 
 def _site(sources, t_j, r, plan):
   """Output ``[..., D]`` (sources' dtype) and log-sum-exp ``[..., H]`` of one
-  site on the list path; ``t_j [H, C]`` is query * gain, ``r [S, ...]`` the
-  sources' inv-RMS."""
+  site; ``t_j [H, C]`` is query * gain, ``r [S, ...]`` the sources' inv-RMS."""
+  if plan.impl == "triton":
+    from mhar_jax.kernels import triton_route
+    cfg = triton_route._make_cfg(sources[0].shape[-1], plan.num_heads,
+                                 plan.eps, True, plan.mesh, plan.batch_axes)
+    return triton_route._fwd_impl(tuple(sources), t_j.reshape(-1), cfg)
   st = jnp.stack(sources)
   u = jnp.einsum("s...hc,hc->s...h", _heads(st, plan.num_heads), t_j)
   logit = jnp.stack(r)[..., None] * u
@@ -169,109 +118,21 @@ def _site(sources, t_j, r, plan):
   return _mix(st, w, plan.num_heads).astype(st.dtype), lse
 
 
-def site_group(S, R, t, i0: int, ns: int, resume, num_heads: int):
-  """One pass over sources ``S[i0 : i0 + ns]`` for ``G`` sites' queries.
-
-  ``S [R, ..., D]`` the source buffer, ``R [R, ...]`` float32 inverse RMS of
-  each row, ``t [G, D]`` float32 query * gain of the sites. ``resume``:
-  ``None``, or ``(pout [K, ..., D], plse [K, ..., H], k)``: start (G = 1) from
-  row ``k`` of an earlier pass's partial results, which enter the softmax as
-  one more source of value ``pout[k]`` and logit ``plse[k]``.
-
-  Returns ``(out [..., D], lse [..., H], pout [G-1, ..., D], plse [G-1, ...,
-  H])``: site 0's output (sources' dtype) and log-sum-exp, and the partial
-  (normalised) outputs and log-sum-exps of sites ``1 .. G-1`` over these
-  sources. The jnp reference of :func:`mhar_jax.kernels.triton_stack.site_group`.
-  """
-  g = t.shape[0]
-  st = jax.lax.slice_in_dim(S, i0, i0 + ns)
-  r = jax.lax.slice_in_dim(R, i0, i0 + ns).astype(jnp.float32)
-  u = jnp.einsum("s...hc,ghc->gs...h", _heads(st, num_heads),
-                 t.reshape(g, num_heads, -1))
-  logit = r[None, ..., None] * u                    # [G, S, ..., H]
-  vals = st
-  if resume is not None:
-    pout, plse, k = resume
-    logit = jnp.concatenate([jnp.broadcast_to(plse[k], logit[:, :1].shape),
-                             logit], axis=1)
-    vals = jnp.concatenate([pout[k][None], st])
-  lse = jax.nn.logsumexp(logit, axis=1)             # [G, ..., H]
-  w = jnp.exp(logit - lse[:, None])
-  out = jnp.stack([_mix(vals, w[q], num_heads) for q in range(g)]).astype(
-      S.dtype)
-  return out[0], lse[0], out[1:], lse[1:]
-
-
-def _source_group_grad(S, R, dX, t, lse, xd, si, g, j0, m, resume, plan):
-  if plan.impl == "triton":
-    from mhar_jax.kernels import triton_stack
-    return triton_stack.source_group_grad(S, R, dX, t, lse, xd, si, g, j0, m,
-                                          resume, plan.num_heads, plan.mesh,
-                                          plan.batch_axes)
-  return source_group_grad(S, R, dX, t, lse, xd, si, g, j0, m, resume,
-                           plan.num_heads)
-
-
-def _site_group(S, R, t, i0, ns, resume, plan):
-  if plan.impl == "triton":
-    from mhar_jax.kernels import triton_stack
-    return triton_stack.site_group(S, R, t, i0, ns, resume, plan.num_heads,
-                                   plan.mesh, plan.batch_axes)
-  return site_group(S, R, t, i0, ns, resume, plan.num_heads)
-
-
-def _forward_buffers(h, params, t, consts, apply, plan, save):
-  """The forward on whole-stack buffers, ``plan.group`` sites per pass."""
-  n = len(params)
-  tt = t.reshape(n + 1, -1)
-  S = jnp.zeros((n + 1, *h.shape), h.dtype).at[0].set(h)
-  R = jnp.zeros((n + 1, *h.shape[:-1]), jnp.float32).at[0].set(
-      inv_rms(h, plan.eps))
-  xs, lses, vjps = [], [], []
-  j0 = partial = None
-  for j in range(n + 1):
-    if j0 is None or j - j0 >= plan.group:
-      j0, gs = j, min(plan.group, n + 1 - j)
-      x, lse, pout, plse = _site_group(S, R, tt[j:j + gs], 0, j + 1, None,
-                                       plan)
-      partial = (pout, plse)
-    else:
-      x, lse, _, _ = _site_group(S, R, tt[j:j + 1], j0 + 1, j - j0,
-                                 (*partial, j - j0 - 1), plan)
-    xs.append(x)
-    lses.append(lse)
-    if j == n:
-      break
-    y, vjp = _apply(apply, j, params[j], x, consts, h, save)
-    vjps.append(vjp)
-    S = S.at[j + 1].set(y)
-    R = R.at[j + 1].set(inv_rms(y, plan.eps))
-  return xs[-1], (S, R, xs, lses, vjps, t)
-
-
-def _apply(apply, j, p, x, consts, h, save):
-  """Sublayer ``j`` at ``x``: ``(y, vjp or None)``, checked against ``h``."""
-  if save:
-    y, vjp = jax.vjp(lambda p, x: apply(j, p, x, consts), p, x)
-  else:
-    y, vjp = apply(j, p, x, consts), None
-  if y.shape != h.shape or y.dtype != h.dtype:
-    raise ValueError(
-        f"routed_stack: sublayer {j} returned {y.shape} {y.dtype}; it must"
-        f" return the sources' shape and dtype, {h.shape} {h.dtype}.")
-  return y, vjp
-
-
 def _forward(h, params, queries, gains, consts, apply, plan, save):
   t = (queries.astype(jnp.float32) * gains.astype(jnp.float32)).reshape(
       queries.shape[0], plan.num_heads, -1)
-  if plan.use_buffers:
-    return _forward_buffers(h, params, t, consts, apply, plan, save)
   sources, rs, xs, lses, vjps = [h], [inv_rms(h, plan.eps)], [], [], []
   for j, p in enumerate(params):
     x, lse = _site(sources, t[j], rs, plan)
-    y, vjp = _apply(apply, j, p, x, consts, h, save)
-    vjps.append(vjp)
+    if save:
+      y, vjp = jax.vjp(lambda p, x, j=j: apply(j, p, x, consts), p, x)
+      vjps.append(vjp)
+    else:
+      y = apply(j, p, x, consts)
+    if y.shape != h.shape or y.dtype != h.dtype:
+      raise ValueError(
+          f"routed_stack: sublayer {j} returned {y.shape} {y.dtype}; it must"
+          f" return the sources' shape and dtype, {h.shape} {h.dtype}.")
     xs.append(x)
     lses.append(lse)
     sources.append(y)
@@ -294,63 +155,42 @@ def _stack_fwd(h, params, queries, gains, consts, apply, plan):
   return x, (saved, queries, gains, consts)
 
 
-def source_group_grad(S, R, dX, t, lse, xd, si: int, g: int, j0: int,
-                      m: int, resume, num_heads: int):
-  """One pass over site rows ``j0 .. j0+m-1`` for the gradients of ``g``
-  sources, rows ``si, si-1, .., si-g+1`` of ``S``.
+def source_grad(s, r, dX, t, lse, xd, i: int, num_heads: int):
+  """The gradient of source ``i`` from the sites ``i .. R-1`` that read it.
 
-  Whole-stack buffers: ``S [R, ..., D]`` (sources), ``R [R, ...]`` (their
-  inverse RMS), ``dX [R, ..., D]`` (site cotangents), ``t [R, D]`` (query *
-  gain), ``lse``/``xd [R, ..., H]`` (the sites' log-sum-exp and ``<dx_j,
-  x_j>`` per head). ``resume``: ``None``, or ``(pacc [K,
-  ..., D], pcoef [K, ..., H], k)``: add row ``k`` of an earlier pass's
-  partial sums (g = 1). Returns ``(ds [..., D], pacc [g-1, ..., D], pcoef
-  [g-1, ..., H], dt [g, m, D])``: source ``si``'s gradient (complete when
-  these are all the rows that read it), the other sources' partial sums
-  ``sum_j w dx_j + (dlogit r) t_j`` (sources' dtype) and ``sum_j dlogit *
-  logit`` (per head), and each source's share of rows ``j0 ..``'s
-  query-gain gradient. The jnp reference of
-  :func:`mhar_jax.kernels.triton_stack.source_group_grad`.
+  ``s [..., D]``, ``r [...]``; whole-stack buffers ``dX [R, ..., D]`` (site
+  cotangents), ``t [R, D]`` (query * gain), ``lse``/``xd [R, ..., H]`` (the
+  sites' log-sum-exp and ``<dx_j, x_j>`` per head), read from row ``i``.
+  Returns ``(ds [..., D]`` in ``s``'s dtype, ``dt [R - i, D]`` float32: this
+  source's share of those sites' query-gain gradient). The jnp reference of
+  :func:`mhar_jax.kernels.triton_stack.source_grad`. It reads the buffers as
+  one slice from row ``i`` (which XLA keeps in place while the backward
+  fills earlier rows; reading row by row makes it copy the buffer) and
+  reduces over sites with multiply-and-sum, not contractions that would
+  materialise a float32 copy of the slice.
   """
-  d = S.shape[-1]
-  dx = _heads(jax.lax.slice_in_dim(dX, j0, j0 + m), num_heads)
-  tm = jax.lax.slice_in_dim(t, j0, j0 + m).reshape(m, num_heads, -1)
-  tb = tm.reshape(m, *([1] * (S.ndim - 2)), *tm.shape[1:])
-  lse_m = jax.lax.slice_in_dim(lse, j0, j0 + m)
-  xd_m = jax.lax.slice_in_dim(xd, j0, j0 + m)
-  accs, coefs, dts = [], [], []
-  for q in range(g):
-    sh = _heads(S[si - q], num_heads)                # [..., H, C]
-    r = R[si - q].astype(jnp.float32)[None, ..., None]
-    logit = r * jnp.sum(sh[None] * tb, axis=-1)      # [m, ..., H]
-    w = jnp.exp(logit - lse_m)
-    dlogit = w * (jnp.sum(dx * sh[None], axis=-1) - xd_m)
-    dlr = dlogit * r
-    acc = jnp.sum(w[..., None] * dx + dlr[..., None] * tb, axis=0)
-    coef = jnp.sum(dlogit * logit, axis=0)           # [..., H]
-    if resume is not None:
-      acc = acc + _heads(resume[0][resume[2]], num_heads).astype(jnp.float32)
-      coef = coef + resume[1][resume[2]]
-    accs.append(acc)
-    coefs.append(coef)
-    dts.append(jnp.einsum("m...h,...hc->mhc", dlr, sh).reshape(m, d))
-  s0 = S[si]
-  r0 = R[si].astype(jnp.float32)
-  ds = (accs[0] - (jnp.sum(coefs[0], axis=-1) * r0 ** 2 / d)[..., None, None]
-        * _heads(s0, num_heads).astype(jnp.float32))
-  lead = S.shape[1:-1]
-  pacc = jnp.stack([a.reshape(*lead, d) for a in accs[1:]]).astype(
-      S.dtype) if g > 1 else jnp.zeros((0, *lead, d), S.dtype)
-  pcoef = jnp.stack(coefs[1:]) if g > 1 else jnp.zeros(
-      (0, *lead, num_heads), jnp.float32)
-  return ds.reshape(s0.shape).astype(S.dtype), pacc, pcoef, jnp.stack(dts)
+  d = s.shape[-1]
+  m = dX.shape[0] - i
+  sh = _heads(s, num_heads)                        # [..., H, C]
+  r = r.astype(jnp.float32)[None, ..., None]       # [1, ..., 1]
+  dx = _heads(dX[i:], num_heads)                   # [m, ..., H, C]
+  tm = t[i:].reshape(m, num_heads, -1)
+  tb = tm.reshape(m, *([1] * (s.ndim - 1)), *tm.shape[1:])
+  u = jnp.sum(sh[None] * tb, axis=-1)              # [m, ..., H]
+  logit = r * u
+  w = jnp.exp(logit - lse[i:])
+  dlogit = w * (jnp.sum(dx * sh[None], axis=-1) - xd[i:])
+  dlr = dlogit * r
+  coef = jnp.sum(dlogit * logit, axis=(0, -1))     # [...]
+  ds = (jnp.sum(w[..., None] * dx + dlr[..., None] * tb, axis=0)
+        - (coef * r[0, ..., 0] ** 2 / d)[..., None, None] * sh)
+  dt = jnp.einsum("m...h,...hc->mhc", dlr, sh)
+  return ds.reshape(s.shape).astype(s.dtype), dt.reshape(m, d)
 
 
 def _source_grad_lists(s, r, dxs, xs_dot, t, lses, num_heads):
-  """:func:`source_group_grad` for one source on per-site arrays (the list
-  path): ``s [..., D]``, ``r [...]``, ``dxs[k] [..., D]``,
-  ``xs_dot[k]``/``lses[k] [..., H]``, ``t [m, D]``. Returns ``(ds [..., D],
-  dt [m, D])``."""
+  """:func:`source_grad` on per-site arrays: ``dxs[k] [..., D]``,
+  ``xs_dot[k]``/``lses[k] [..., H]``, ``t [m, D]``; same outputs."""
   d = s.shape[-1]
   sh = _heads(s, num_heads)
   r = r.astype(jnp.float32)[..., None]
@@ -373,7 +213,6 @@ def _source_grad_lists(s, r, dxs, xs_dot, t, lses, num_heads):
 
 def _stack_bwd(apply, plan, res, g):
   (sources, rs, xs, lses, vjps, t), queries, gains, consts = res
-  # buffers: sources [n+1, ..., D] and rs [n+1, ...]; else lists
   n, h = len(vjps), plan.num_heads
   tt = t.reshape(n + 1, -1)
   dt = jnp.zeros_like(tt)
@@ -386,8 +225,8 @@ def _stack_bwd(apply, plan, res, g):
     # Whole-stack buffers, filled from the top as the sites' cotangents
     # appear; each is updated in place (its only reader, the per-source
     # call, runs before the update that depends on its result).
-    dX = jnp.zeros((n + 1, *g.shape), sources.dtype).at[n].set(
-        g.astype(sources.dtype))
+    dX = jnp.zeros((n + 1, *g.shape), sources[0].dtype).at[n].set(
+        g.astype(sources[0].dtype))
     xd = jnp.zeros((n + 1, *g.shape[:-1], h), jnp.float32).at[n].set(
         dot_heads(g, xs[n]))
     lse = jnp.stack(lses)
@@ -395,27 +234,17 @@ def _stack_bwd(apply, plan, res, g):
     dxs, xds = [None] * (n + 1), [None] * (n + 1)
     dxs[n], xds[n] = g, dot_heads(g, xs[n])
   dh = None
-  i0 = partial = None
-  bwd_group = plan.group if plan.bwd_group is None else plan.bwd_group
   for i in range(n, -1, -1):            # source i is read by sites i .. n
-    if plan.use_buffers and (i0 is None or i0 - i >= bwd_group):
-      # sources i .. i-gs+1 in one pass over the rows i .. n
-      i0, gs = i, min(bwd_group, i + 1)
-      ds, pacc, pcoef, dti = _source_group_grad(
-          sources, rs, dX, tt, lse, xd, i, gs, i, n + 1 - i, None, plan)
-      partial = (pacc, pcoef)
-      for q in range(gs):
-        dt = dt.at[i0:].add(dti[q])
+    if plan.use_buffers and plan.impl == "triton":
+      from mhar_jax.kernels import triton_stack
+      ds, dti = triton_stack.source_grad(sources[i], rs[i], dX, tt, lse, xd,
+                                         i, h, plan.mesh, plan.batch_axes)
     elif plan.use_buffers:
-      # the rows i .. i0-1 that appeared since the group's pass
-      ds, _, _, dti = _source_group_grad(
-          sources, rs, dX, tt, lse, xd, i, 1, i, i0 - i,
-          (*partial, i0 - i - 1), plan)
-      dt = dt.at[i:i0].add(dti[0])
+      ds, dti = source_grad(sources[i], rs[i], dX, tt, lse, xd, i, h)
     else:
       ds, dti = _source_grad_lists(sources[i], rs[i], dxs[i:], xds[i:],
                                    tt[i:], lses[i:], h)
-      dt = dt.at[i:].add(dti)
+    dt = dt.at[i:].add(dti)
     if i == 0:
       dh = ds
       break

@@ -74,9 +74,6 @@ class TransformerConfig:
   attention_impl: str | None = None
   routing_impl: str = "auto"
   routing_backward: str = "auto"   # "auto" | "site" | "source" (full method only)
-  # Full method, Triton path: sites served by one pass over their common
-  # sources in the forward (1 = none; 0 = the byte-minimal power of two).
-  routing_site_group: int = 0
   remat: bool = False
 
   def __post_init__(self):
@@ -115,10 +112,6 @@ class TransformerConfig:
       bad("routing_impl", f"choose one of {kernels.IMPLS}.")
     if self.routing_backward not in ("auto", "site", "source"):
       bad("routing_backward", "choose 'auto', 'site' or 'source'.")
-    from mhar_jax.kernels.stack import MAX_SITE_GROUP
-    if (not isinstance(self.routing_site_group, int)
-        or not 0 <= self.routing_site_group <= MAX_SITE_GROUP):
-      bad("routing_site_group", f"must be 0 (automatic) or 1..{MAX_SITE_GROUP}.")
     if self.routing_backward == "source" and not self.full_routing:
       bad("routing_backward", "'source' is for the full method: needs"
           " model.residual 'attnres' or 'mhar' with model.num_blocks=0;"
@@ -323,8 +316,7 @@ class Transformer(nnx.Module):
     gains = jnp.stack([r.norm_scale[...] for r in self.routers])
     return routed_stack(h, states, apply, queries, gains, positions,
                         num_heads=self.cfg.heads_per_site,
-                        eps=self.cfg.norm_eps, impl=self.cfg.routing_impl,
-                        site_group=self.cfg.routing_site_group or None)
+                        eps=self.cfg.norm_eps, impl=self.cfg.routing_impl)
 
   def _delta(self, h, subs, call, positions, routing, record):
     """The delta form: the ordinary stream plus ``gate * route([null, deltas])``."""
