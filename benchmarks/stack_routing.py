@@ -21,6 +21,9 @@ implementation must move (forward: every live source read and the output
 written at every site; backward: the output cotangent and every source read,
 every source gradient written), and those bytes per routing-second as a share
 of a copy bandwidth measured in the same run (``x * c`` over 2 GiB).
+It also counts copies of ``[n + 1, ...]`` arrays in each compiled HLO (a
+whole-stack buffer XLA failed to update in place; other arrays of that
+leading dim, such as stacked queries, count too, so compare with prenorm's).
 Multiplying the routing ms by the preset's microbatches per step gives its
 share of a training step (benchmarks/throughput.py).
 """
@@ -31,6 +34,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -92,14 +96,13 @@ def routing_bytes(n, blocks, e):
   return (sum(s + 1 for s in counts) * e, sum(3 * s + 2 for s in counts) * e)
 
 
-def stack_copies(fn, args, rows):
-  """Copies of whole-stack buffers (leading dim ``rows``) in the optimised
-  HLO: an in-place buffer update that XLA could not keep in place shows up
-  here (and costs the whole buffer per update)."""
-  import re
-  text = fn.lower(*args).compile().as_text()
+def stack_copies(compiled, rows):
+  """Copies of whole-stack buffers (leading dim ``rows``) in a compiled
+  function's optimised HLO: an in-place buffer update that XLA could not
+  keep in place shows up here (and costs the whole buffer per update)."""
   pat = re.compile(rf"= \w+\[{rows},[^\]]*\][^ ]* (copy|copy-start)\(")
-  return sum(1 for line in text.splitlines() if pat.search(line))
+  return sum(1 for line in compiled.as_text().splitlines()
+             if pat.search(line))
 
 
 def median_ms(fn, args, reps=9):
@@ -152,9 +155,10 @@ def run_shape(name, impls, heads, seed=0):
   for label, impl, f, blocks in variants:
     t0 = time.perf_counter()
     try:
-      fn = timed(f)
-      copies = stack_copies(fn, (h, ps, queries, gains), n + 1)
-      ms = median_ms(fn, (h, ps, queries, gains))
+      args = (h, ps, queries, gains)
+      fn = timed(f).lower(*args).compile()
+      copies = stack_copies(fn, n + 1)
+      ms = median_ms(fn, args)
     except Exception as e:  # noqa: BLE001  (report and go on)
       print(f"{name} {label} {impl}: FAILED {type(e).__name__}: {e}"[:400],
             flush=True)
