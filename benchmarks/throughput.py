@@ -11,11 +11,15 @@ steps, then times ``--steps`` steps one by one and reports the median.
 Printed: tokens/s, MFU (FLOPs per token ``6N + 6 L H_q d_h T``, dense bf16
 peak 989 TFLOP/s for H100/H200), peak device memory (``memory_stats``) and
 the ratios to ``prenorm`` of the same preset measured in the same run.
+``--profile N`` then traces N more steps with ``jax.profiler`` and prints
+where each run's GPU time goes (kernel time by category and the largest
+kernels, per step; :mod:`kernel_time`).
 
 Schemes: ``prenorm``, ``hyper``, ``attnres``, ``mhar`` (H=8, the default
 source-major backward), ``mhar_b8`` (H=8, 8 blocks), ``mhar_site`` (H=8 with
 ``routing_backward="site"``); append ``:reference`` or ``:triton`` to force
-the routing implementation (e.g. ``mhar:reference``). Presets are config files in
+the routing implementation (e.g. ``mhar:reference``) and ``+KEY=VALUE`` to
+override a model config key (e.g. ``prenorm+fuse_projections=False``). Presets are config files in
 ``configs/`` (``100m``, ``350m``, ``1b``, ``bench100m``, ...).
 
 Two phases: first every (preset, scheme) is compiled ahead of time, up to
@@ -28,6 +32,7 @@ the first phase's.
 from __future__ import annotations
 
 import argparse
+import ast
 import concurrent.futures
 import json
 import os
@@ -58,7 +63,7 @@ def load_preset(name):
 
 def child(preset: str, scheme: str, steps: int, warmup: int,
           micro_tokens: int, routing_impl: str, cache_dir: str,
-          compile_only: bool) -> dict:
+          compile_only: bool, profile: int = 0) -> dict:
   t_start = time.time()
 
   def phase(msg):
@@ -76,9 +81,17 @@ def child(preset: str, scheme: str, steps: int, warmup: int,
   from mhar_jax.config import validate
   phase(f"jax imported, {jax.devices()[0].device_kind}")
 
-  name, _, impl = scheme.partition(":")
+  scheme_impl, *overrides = scheme.split("+")
+  name, _, impl = scheme_impl.partition(":")
   cfg = load_preset(preset)
   cfg.model.update(**SCHEMES[name])
+  for kv in overrides:
+    key, _, value = kv.partition("=")
+    try:
+      value = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      pass
+    cfg.model[key] = value
   cfg.model.routing_impl = impl or routing_impl
   t = cfg.train
   tokens = t.global_batch * t.seq_len
@@ -131,6 +144,20 @@ def child(preset: str, scheme: str, steps: int, warmup: int,
     jax.block_until_ready(m)
     times.append(time.perf_counter() - t0)
   med = float(np.median(times))
+  prof = None
+  if profile:
+    import kernel_time
+    trace_dir = tempfile.mkdtemp(prefix="mhar_trace_")
+    try:   # a failed trace must not lose the timing above
+      with jax.profiler.trace(trace_dir):
+        for i in range(profile):
+          state, m = step(state, batches[i % 2])
+        jax.block_until_ready(m)
+      prof = kernel_time.breakdown(kernel_time.kernel_events(trace_dir),
+                                   profile)
+      phase(f"profiled {profile} steps")
+    except Exception as e:  # noqa: BLE001
+      phase(f"profile failed: {type(e).__name__}: {e}")
   n_params = sum(int(x.size) for x in jax.tree.leaves(state["params"]))
   fpt = training.flops_per_token(model_cfg, t.seq_len)
   peak = training.peak_flops(devices[0])
@@ -145,7 +172,7 @@ def child(preset: str, scheme: str, steps: int, warmup: int,
           "mfu": tokens / med * fpt / peak if peak else None,
           "peak_bytes": stats.get("peak_bytes_in_use"),
           "load_s": compile_s, "loss": float(m["loss"]),
-          "device": devices[0].device_kind}
+          "device": devices[0].device_kind, "profile": prof}
 
 
 def run_child(run: str, a, compile_only: bool, timeout: int):
@@ -153,7 +180,8 @@ def run_child(run: str, a, compile_only: bool, timeout: int):
   cmd = [sys.executable, __file__, "--child", run,
          "--steps", str(a.steps), "--warmup", str(a.warmup),
          "--micro_tokens", str(a.micro_tokens),
-         "--routing_impl", a.routing_impl, "--cache_dir", a.cache_dir]
+         "--routing_impl", a.routing_impl, "--cache_dir", a.cache_dir,
+         "--profile", str(0 if compile_only else a.profile)]
   env = dict(os.environ)
   if compile_only:
     cmd.append("--compile_only")
@@ -205,6 +233,9 @@ def main():
                   help="seconds allowed per timing process")
   ap.add_argument("--budget", type=int, default=0,
                   help="stop starting timing runs after this many seconds")
+  ap.add_argument("--profile", type=int, default=0,
+                  help="after timing, trace this many steps and print the"
+                  " GPU kernel time by category")
   ap.add_argument("--child", default="", help=argparse.SUPPRESS)
   ap.add_argument("--compile_only", action="store_true", help=argparse.SUPPRESS)
   a = ap.parse_args()
@@ -212,7 +243,8 @@ def main():
     preset, scheme = a.child.split("/")
     print("RESULT " + json.dumps(child(preset, scheme, a.steps, a.warmup,
                                        a.micro_tokens, a.routing_impl,
-                                       a.cache_dir, a.compile_only)),
+                                       a.cache_dir, a.compile_only,
+                                       a.profile)),
           flush=True)
     return
   start = time.time()
@@ -284,6 +316,11 @@ def print_table(results):
           f" {r['step_s'] * 1e3:.1f} |"
           f" {r['tokens_per_s']:,.0f} | {mfu} | {peak} | {ratio:.3f} |"
           f" {mem:.3f} |")
+  import kernel_time
+  for r in results:
+    if r.get("profile"):
+      print(kernel_time.format_breakdown(f"{r['preset']}/{r['scheme']}",
+                                         r["profile"], r["step_s"] * 1e3))
 
 
 if __name__ == "__main__":

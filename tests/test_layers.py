@@ -82,6 +82,28 @@ def test_attention_is_causal():
   assert float(jnp.abs(y1[:, 4:] - y2[:, 4:]).max()) > 1e-3
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (6, 1)])
+def test_fused_projections_compute_the_unfused_function(heads, kv_heads):
+  """One Q/K/V matmul (and one gate/up matmul) = the separate matmuls,
+  values and gradients, with the same parameters."""
+  x = jax.random.normal(jax.random.key(0), (2, 5, 32))
+  pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+
+  def run(module_cls, args, fuse, call):
+    m = module_cls(*args, fuse_projections=fuse, rngs=nnx.Rngs(3))
+    graph, params = nnx.split(m)
+    f = lambda p, x: jnp.sum(jnp.sin(call(nnx.merge(graph, p), x)))
+    return call(m, x), jax.grad(f, argnums=(0, 1))(params, x)
+
+  for cls, args, call in [
+      (Attention, (32, heads, kv_heads, 8), lambda m, x: m(x, pos)),
+      (SwiGLU, (32, 48), lambda m, x: m(x))]:
+    (y1, g1), (y0, g0) = run(cls, args, True, call), run(cls, args, False, call)
+    np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("residual,blocks", [
     ("prenorm", 0), ("hyper", 0), ("attnres", 0), ("mhar", 0), ("mhar", 2),
     ("attnres", 3), ("delta", 0)])

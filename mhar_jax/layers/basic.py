@@ -75,16 +75,21 @@ class Attention(nnx.Module):
   ``qk_norm=False`` drops the QK-RMSNorm (and its parameters): Llama style.
 
   ``x [B, T, D] -> [B, T, D]``. ``num_heads`` query heads share
-  ``num_kv_heads`` key/value heads. The core is ``jax.nn.dot_product_attention``
-  with ``implementation`` ``"xla"``, ``"cudnn"`` or ``None`` (cuDNN on GPU
-  for bf16/fp16, XLA otherwise).
+  ``num_kv_heads`` key/value heads (query head ``n`` reads key/value head
+  ``n // (num_heads / num_kv_heads)``). The core is
+  ``jax.nn.dot_product_attention`` with ``implementation`` ``"xla"``,
+  ``"cudnn"`` or ``None`` (cuDNN on GPU for bf16/fp16, XLA otherwise).
+  ``fuse_projections`` computes Q, K and V as one matmul against the three
+  weights concatenated per key/value head (the same function; the parameters
+  stay separate).
   """
 
   def __init__(self, dim: int, num_heads: int, num_kv_heads: int,
                head_dim: int, *, rope_theta: float = 1e4, eps: float = 1e-6,
                init_std: float = 0.02, implementation: str | None = None,
                dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
-               qk_norm: bool = True, rngs: nnx.Rngs):
+               qk_norm: bool = True, fuse_projections: bool = True,
+               rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
       raise ValueError(
           f"model.num_kv_heads={num_kv_heads} must divide"
@@ -102,7 +107,7 @@ class Attention(nnx.Module):
                     ("embed", "kv_heads", "head_dim"), param_dtype)
     self.wo = param(rngs, init, (num_heads, head_dim, dim),
                     ("q_heads", "head_dim", "embed"), param_dtype)
-    self.qk_norm = qk_norm
+    self.qk_norm, self.fuse_projections = qk_norm, fuse_projections
     if qk_norm:
       self.q_norm = RMSNorm(head_dim, eps=eps, param_dtype=param_dtype,
                             rngs=rngs)
@@ -112,9 +117,19 @@ class Attention(nnx.Module):
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     dt = self.dtype
     x = x.astype(dt)
-    q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
-    k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
-    v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
+    wq, wk, wv = (w[...].astype(dt) for w in (self.wq, self.wk, self.wv))
+    if self.fuse_projections:
+      d, kv, hd = wk.shape
+      g = self.num_heads // kv
+      w = jnp.concatenate([wq.reshape(d, kv, g, hd), wk[:, :, None],
+                           wv[:, :, None]], axis=2)         # [D, KV, G+2, hd]
+      qkv = jnp.einsum("btd,dhgk->bthgk", x, w)
+      q = qkv[:, :, :, :g].reshape(*x.shape[:2], self.num_heads, hd)
+      k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
+    else:
+      q = jnp.einsum("btd,dhk->bthk", x, wq)
+      k = jnp.einsum("btd,dhk->bthk", x, wk)
+      v = jnp.einsum("btd,dhk->bthk", x, wv)
     q = constrain(q, ("activation_batch", "activation_length",
                       "activation_heads", None))
     k = constrain(k, ("activation_batch", "activation_length",
@@ -134,12 +149,16 @@ class Attention(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-  """``(silu(x W_gate) * (x W_up)) W_down``: ``[B, T, D] -> [B, T, D]``."""
+  """``(silu(x W_gate) * (x W_up)) W_down``: ``[B, T, D] -> [B, T, D]``.
+
+  ``fuse_projections`` computes ``x W_gate`` and ``x W_up`` as one matmul
+  against the two weights stacked (the same function; separate parameters).
+  """
 
   def __init__(self, dim: int, hidden: int, *, init_std: float = 0.02,
                dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
-               rngs: nnx.Rngs):
-    self.dtype = dtype
+               fuse_projections: bool = True, rngs: nnx.Rngs):
+    self.dtype, self.fuse_projections = dtype, fuse_projections
     init = normal(init_std)
     self.w_gate = param(rngs, init, (dim, hidden), ("embed", "mlp"),
                         param_dtype)
@@ -150,8 +169,13 @@ class SwiGLU(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     dt = self.dtype
     x = x.astype(dt)
-    h = (jax.nn.silu(x @ self.w_gate[...].astype(dt))
-         * (x @ self.w_up[...].astype(dt)))
+    w_gate, w_up = self.w_gate[...].astype(dt), self.w_up[...].astype(dt)
+    if self.fuse_projections:
+      gu = jnp.einsum("btd,dkf->btkf", x, jnp.stack([w_gate, w_up], axis=1))
+      gate, up = gu[:, :, 0], gu[:, :, 1]
+    else:
+      gate, up = x @ w_gate, x @ w_up
+    h = jax.nn.silu(gate) * up
     h = constrain(h, ("activation_batch", "activation_length",
                       "activation_mlp"))
     return constrain(h @ self.w_down[...].astype(dt), BTD)

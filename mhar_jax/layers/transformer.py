@@ -75,6 +75,7 @@ class TransformerConfig:
   routing_impl: str = "auto"
   routing_backward: str = "auto"   # "auto" | "site" | "source" (full method only)
   remat: bool = False
+  fuse_projections: bool = True  # one matmul for Q/K/V and one for gate/up
 
   def __post_init__(self):
     def bad(key, why):
@@ -85,7 +86,7 @@ class TransformerConfig:
                 "hyper_streams"):
       if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
         bad(key, "must be a positive integer.")
-    for key in ("qk_norm", "tie_embeddings"):
+    for key in ("qk_norm", "tie_embeddings", "fuse_projections"):
       if not isinstance(getattr(self, key), bool):
         bad(key, "must be True or False.")
     if self.residual not in RESIDUALS:
@@ -171,7 +172,8 @@ class AttentionSublayer(nnx.Module):
                           eps=cfg.norm_eps, init_std=cfg.init_std,
                           implementation=cfg.attention_impl,
                           dtype=cfg.compute_dtype, param_dtype=pd,
-                          qk_norm=cfg.qk_norm, rngs=rngs)
+                          qk_norm=cfg.qk_norm,
+                          fuse_projections=cfg.fuse_projections, rngs=rngs)
 
   def __call__(self, x, positions):
     return self.attn(self.norm(x), positions)
@@ -185,7 +187,8 @@ class MLPSublayer(nnx.Module):
     self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pd,
                         rngs=rngs)
     self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, init_std=cfg.init_std,
-                      dtype=cfg.compute_dtype, param_dtype=pd, rngs=rngs)
+                      dtype=cfg.compute_dtype, param_dtype=pd,
+                      fuse_projections=cfg.fuse_projections, rngs=rngs)
 
   def __call__(self, x, positions):
     del positions

@@ -1,0 +1,98 @@
+"""Where a jitted step's GPU time goes: kernel time by category from a JAX trace.
+
+    with jax.profiler.trace(DIR): ...run N steps...
+    table = breakdown(kernel_events(DIR), steps=N)
+
+``kernel_events`` reads the ``*.xplane.pb`` that ``jax.profiler`` wrote under
+``DIR`` and returns ``(kernel name, duration ns)`` for every kernel that ran on
+the first GPU (events on its ``Stream ...`` lines; the ``XLA Ops`` / ``XLA
+Modules`` lines repeat the same time and are skipped). ``breakdown`` sums them
+into the categories of :data:`CATEGORIES` (first match wins) and lists the
+largest kernels, all in milliseconds per step.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+
+# (category, regex on the kernel name), tried in order.
+CATEGORIES = (
+    ("routing (Triton)", r"_fwd_kernel|_cpass_kernel|_bwd_kernel|source_grad_kernel"
+                         r"|site_group_kernel|source_group_grad_kernel"),
+    ("attention (cuDNN)", r"cudnn|fmha|flash|sdpa"),
+    ("matmul", r"gemm|xmma|nvjet|cutlass|cublas|triton_dot|__dot|_dot_|sm90_"
+               r"|sm80_|wgmma"),
+    ("reduction fusion", r"reduce|input_|softmax|logsumexp"),
+    ("copy / transpose", r"copy|memcpy|memset|transpose|concatenate|dynamic[_-]update"
+                         r"|dynamic[_-]slice"),
+    ("elementwise fusion", r"fusion|loop_|convert|multiply|add|select"),
+)
+
+
+def categorize(name: str) -> str:
+  """The category of one kernel name (``"other"`` if no pattern matches)."""
+  low = name.lower()
+  for cat, pattern in CATEGORIES:
+    if re.search(pattern, low):
+      return cat
+  return "other"
+
+
+def kernel_events(trace_dir: str, device: str = "/device:GPU:0"
+                  ) -> list[tuple[str, float]]:
+  """``(name, duration_ns)`` of every kernel on ``device`` in the trace under
+  ``trace_dir`` (the newest ``*.xplane.pb``). Raises FileNotFoundError if
+  there is no trace and ValueError if it has no such device plane."""
+  from jax.profiler import ProfileData
+  files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
+                           recursive=True), key=os.path.getmtime)
+  if not files:
+    raise FileNotFoundError(f"no *.xplane.pb under {trace_dir!r}")
+  data = ProfileData.from_file(files[-1])
+  planes = {p.name: p for p in data.planes}
+  if device not in planes:
+    raise ValueError(f"trace has no plane {device!r}; planes: {sorted(planes)}")
+  events = []
+  for line in planes[device].lines:
+    if not line.name.startswith("Stream"):
+      continue
+    events.extend((e.name, float(e.duration_ns)) for e in line.events)
+  return events
+
+
+def breakdown(events, steps: int, top: int = 12) -> dict:
+  """Per-step milliseconds by category and the ``top`` largest kernels.
+
+  Returns ``{"total_ms", "categories": {cat: ms}, "top": [(name, ms, calls)]}``
+  with every figure divided by ``steps``.
+  """
+  per_cat = collections.Counter()
+  per_name = collections.Counter()
+  calls = collections.Counter()
+  for name, ns in events:
+    per_cat[categorize(name)] += ns
+    per_name[name] += ns
+    calls[name] += 1
+  scale = 1e-6 / steps
+  return {
+      "total_ms": sum(per_cat.values()) * scale,
+      "categories": {c: v * scale for c, v in per_cat.most_common()},
+      "top": [(n[:90], v * scale, calls[n] / steps)
+              for n, v in per_name.most_common(top)],
+  }
+
+
+def format_breakdown(label: str, b: dict, step_ms: float | None = None) -> str:
+  """A markdown table of one :func:`breakdown` (``step_ms``: the timed step)."""
+  head = f"\n{label}: kernels {b['total_ms']:.1f} ms a step"
+  if step_ms:
+    head += f" (timed step {step_ms:.1f} ms: {b['total_ms'] / step_ms:.0%} busy)"
+  rows = ["| category | ms / step | share |", "|---|---|---|"]
+  for cat, ms in b["categories"].items():
+    rows.append(f"| {cat} | {ms:.1f} | {ms / b['total_ms']:.1%} |")
+  rows += ["", "| kernel | ms / step | calls / step |", "|---|---|---|"]
+  rows += [f"| `{n}` | {ms:.2f} | {c:g} |" for n, ms, c in b["top"]]
+  return head + "\n" + "\n".join(rows)

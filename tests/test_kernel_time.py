@@ -1,0 +1,52 @@
+"""benchmarks/kernel_time.py: kernel categories and the per-step breakdown."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)),
+                                "benchmarks"))
+import kernel_time  # noqa: E402
+
+
+@pytest.mark.parametrize("name,cat", [
+    ("_fwd_kernel", "routing (Triton)"),
+    ("source_grad_kernel", "routing (Triton)"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16", "attention (cuDNN)"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+    ("nvjet_tst_192x192_64x3_2x1_v_bz_coopB_TNN", "matmul"),
+    ("gemm_fusion_dot_12", "matmul"),
+    ("input_reduce_fusion_3", "reduction fusion"),
+    ("copy_fusion_1", "copy / transpose"),
+    ("loop_multiply_fusion_7", "elementwise fusion"),
+    ("some_unknown_kernel", "other"),
+])
+def test_categorize(name, cat):
+  assert kernel_time.categorize(name) == cat
+
+
+def test_breakdown_divides_by_steps_and_ranks():
+  events = [("gemm_a", 4e6), ("gemm_a", 4e6), ("loop_add_fusion", 1e6),
+            ("_bwd_kernel", 3e6)]
+  b = kernel_time.breakdown(events, steps=2, top=2)
+  assert b["total_ms"] == pytest.approx(6.0)
+  assert b["categories"] == pytest.approx(
+      {"matmul": 4.0, "routing (Triton)": 1.5, "elementwise fusion": 0.5})
+  assert b["top"][0] == ("gemm_a", pytest.approx(4.0), 1.0)
+  assert len(b["top"]) == 2
+  text = kernel_time.format_breakdown("x", b, step_ms=8.0)
+  assert "75% busy" in text and "| matmul | 4.0 |" in text
+
+
+def test_kernel_events_without_trace_or_device(tmp_path):
+  with pytest.raises(FileNotFoundError):
+    kernel_time.kernel_events(str(tmp_path))
+  import jax
+  import jax.numpy as jnp
+  f = jax.jit(lambda x: (x * 2).sum())
+  f(jnp.ones(8)).block_until_ready()
+  with jax.profiler.trace(str(tmp_path)):
+    f(jnp.ones(8)).block_until_ready()
+  with pytest.raises(ValueError, match="no plane"):
+    kernel_time.kernel_events(str(tmp_path), device="/device:GPU:0")
