@@ -75,21 +75,16 @@ class Attention(nnx.Module):
   ``qk_norm=False`` drops the QK-RMSNorm (and its parameters): Llama style.
 
   ``x [B, T, D] -> [B, T, D]``. ``num_heads`` query heads share
-  ``num_kv_heads`` key/value heads (query head ``n`` reads key/value head
-  ``n // (num_heads / num_kv_heads)``). The core is
-  ``jax.nn.dot_product_attention`` with ``implementation`` ``"xla"``,
-  ``"cudnn"`` or ``None`` (cuDNN on GPU for bf16/fp16, XLA otherwise).
-  ``fuse_projections`` computes Q, K and V as one matmul against the three
-  weights concatenated per key/value head (the same function; the parameters
-  stay separate).
+  ``num_kv_heads`` key/value heads. The core is ``jax.nn.dot_product_attention``
+  with ``implementation`` ``"xla"``, ``"cudnn"`` or ``None`` (cuDNN on GPU
+  for bf16/fp16, XLA otherwise).
   """
 
   def __init__(self, dim: int, num_heads: int, num_kv_heads: int,
                head_dim: int, *, rope_theta: float = 1e4, eps: float = 1e-6,
                init_std: float = 0.02, implementation: str | None = None,
                dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
-               qk_norm: bool = True, fuse_projections: bool = True,
-               rngs: nnx.Rngs):
+               qk_norm: bool = True, rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
       raise ValueError(
           f"model.num_kv_heads={num_kv_heads} must divide"
@@ -107,7 +102,7 @@ class Attention(nnx.Module):
                     ("embed", "kv_heads", "head_dim"), param_dtype)
     self.wo = param(rngs, init, (num_heads, head_dim, dim),
                     ("q_heads", "head_dim", "embed"), param_dtype)
-    self.qk_norm, self.fuse_projections = qk_norm, fuse_projections
+    self.qk_norm = qk_norm
     if qk_norm:
       self.q_norm = RMSNorm(head_dim, eps=eps, param_dtype=param_dtype,
                             rngs=rngs)
@@ -117,19 +112,9 @@ class Attention(nnx.Module):
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     dt = self.dtype
     x = x.astype(dt)
-    wq, wk, wv = (w[...].astype(dt) for w in (self.wq, self.wk, self.wv))
-    if self.fuse_projections:
-      d, kv, hd = wk.shape
-      g = self.num_heads // kv
-      w = jnp.concatenate([wq.reshape(d, kv, g, hd), wk[:, :, None],
-                           wv[:, :, None]], axis=2)         # [D, KV, G+2, hd]
-      qkv = jnp.einsum("btd,dhgk->bthgk", x, w)
-      q = qkv[:, :, :, :g].reshape(*x.shape[:2], self.num_heads, hd)
-      k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
-    else:
-      q = jnp.einsum("btd,dhk->bthk", x, wq)
-      k = jnp.einsum("btd,dhk->bthk", x, wk)
-      v = jnp.einsum("btd,dhk->bthk", x, wv)
+    q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
+    k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
+    v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
     q = constrain(q, ("activation_batch", "activation_length",
                       "activation_heads", None))
     k = constrain(k, ("activation_batch", "activation_length",
@@ -149,16 +134,12 @@ class Attention(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-  """``(silu(x W_gate) * (x W_up)) W_down``: ``[B, T, D] -> [B, T, D]``.
-
-  ``fuse_projections`` computes ``x W_gate`` and ``x W_up`` as one matmul
-  against the two weights stacked (the same function; separate parameters).
-  """
+  """``(silu(x W_gate) * (x W_up)) W_down``: ``[B, T, D] -> [B, T, D]``."""
 
   def __init__(self, dim: int, hidden: int, *, init_std: float = 0.02,
                dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
-               fuse_projections: bool = True, rngs: nnx.Rngs):
-    self.dtype, self.fuse_projections = dtype, fuse_projections
+               rngs: nnx.Rngs):
+    self.dtype = dtype
     init = normal(init_std)
     self.w_gate = param(rngs, init, (dim, hidden), ("embed", "mlp"),
                         param_dtype)
@@ -169,13 +150,37 @@ class SwiGLU(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     dt = self.dtype
     x = x.astype(dt)
-    w_gate, w_up = self.w_gate[...].astype(dt), self.w_up[...].astype(dt)
-    if self.fuse_projections:
-      gu = jnp.einsum("btd,dkf->btkf", x, jnp.stack([w_gate, w_up], axis=1))
-      gate, up = gu[:, :, 0], gu[:, :, 1]
-    else:
-      gate, up = x @ w_gate, x @ w_up
-    h = jax.nn.silu(gate) * up
+    h = (jax.nn.silu(x @ self.w_gate[...].astype(dt))
+         * (x @ self.w_up[...].astype(dt)))
     h = constrain(h, ("activation_batch", "activation_length",
                       "activation_mlp"))
     return constrain(h @ self.w_down[...].astype(dt), BTD)
+
+
+@jax.custom_vjp
+def project_logits(x: jax.Array, head: jax.Array) -> jax.Array:
+  """LM-head logits ``x [B, T, D] @ head [V, D]ᵀ -> [B, T, V]`` in float32.
+
+  The matmul runs in the inputs' dtype with float32 accumulation and output.
+  Its gradients do too: the float32 cotangent is rounded to the inputs' dtype
+  before the two backward matmuls (as mixed-precision training does for
+  every other matmul). Plain autodiff of the float32-output einsum would
+  upcast the weights instead and run both backward matmuls in float32/TF32,
+  at several times the cost of the bf16 ones for a large vocabulary.
+  """
+  return jnp.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
+
+
+def _project_logits_fwd(x, head):
+  return project_logits(x, head), (x, head)
+
+
+def _project_logits_bwd(res, g):
+  x, head = res
+  g = g.astype(x.dtype)
+  dx = jnp.einsum("btv,vd->btd", g, head, preferred_element_type=jnp.float32)
+  dhead = jnp.einsum("btv,btd->vd", g, x, preferred_element_type=jnp.float32)
+  return dx.astype(x.dtype), dhead.astype(head.dtype)
+
+
+project_logits.defvjp(_project_logits_fwd, _project_logits_bwd)

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mhar_jax import kernels
-from mhar_jax.layers.basic import Attention, RMSNorm, SwiGLU, normal, param
+from mhar_jax.layers.basic import (Attention, RMSNorm, SwiGLU, normal, param,
+                                   project_logits)
 from mhar_jax.layers.router import DepthRouter, HyperConnection, block_boundaries
 from mhar_jax.layers.sharding import BTD, constrain
 
@@ -75,7 +76,6 @@ class TransformerConfig:
   routing_impl: str = "auto"
   routing_backward: str = "auto"   # "auto" | "site" | "source" (full method only)
   remat: bool = False
-  fuse_projections: bool = True  # one matmul for Q/K/V and one for gate/up
 
   def __post_init__(self):
     def bad(key, why):
@@ -86,7 +86,7 @@ class TransformerConfig:
                 "hyper_streams"):
       if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
         bad(key, "must be a positive integer.")
-    for key in ("qk_norm", "tie_embeddings", "fuse_projections"):
+    for key in ("qk_norm", "tie_embeddings"):
       if not isinstance(getattr(self, key), bool):
         bad(key, "must be True or False.")
     if self.residual not in RESIDUALS:
@@ -172,8 +172,7 @@ class AttentionSublayer(nnx.Module):
                           eps=cfg.norm_eps, init_std=cfg.init_std,
                           implementation=cfg.attention_impl,
                           dtype=cfg.compute_dtype, param_dtype=pd,
-                          qk_norm=cfg.qk_norm,
-                          fuse_projections=cfg.fuse_projections, rngs=rngs)
+                          qk_norm=cfg.qk_norm, rngs=rngs)
 
   def __call__(self, x, positions):
     return self.attn(self.norm(x), positions)
@@ -187,8 +186,7 @@ class MLPSublayer(nnx.Module):
     self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pd,
                         rngs=rngs)
     self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, init_std=cfg.init_std,
-                      dtype=cfg.compute_dtype, param_dtype=pd,
-                      fuse_projections=cfg.fuse_projections, rngs=rngs)
+                      dtype=cfg.compute_dtype, param_dtype=pd, rngs=rngs)
 
   def __call__(self, x, positions):
     del positions
@@ -284,8 +282,7 @@ class Transformer(nnx.Module):
     x = self.final_norm(x)
     head = (emb if cfg.tie_embeddings
             else self.lm_head[...].astype(cfg.compute_dtype))
-    logits = jnp.einsum("btd,vd->btv", x, head,
-                        preferred_element_type=jnp.float32)
+    logits = project_logits(x, head)
     logits = constrain(logits, ("activation_batch", "activation_length",
                                 "activation_vocab"))
     return (logits, routing) if return_routing else logits
