@@ -19,7 +19,7 @@ Schemes: ``prenorm``, ``hyper``, ``attnres``, ``mhar`` (H=8, the default
 source-major backward), ``mhar_b8`` (H=8, 8 blocks), ``mhar_site`` (H=8 with
 ``routing_backward="site"``); append ``:reference`` or ``:triton`` to force
 the routing implementation (e.g. ``mhar:reference``) and ``+KEY=VALUE`` to
-override a model config key (e.g. ``prenorm+fuse_projections=False``). Presets are config files in
+override a model config key (e.g. ``prenorm+remat=True``). Presets are config files in
 ``configs/`` (``100m``, ``350m``, ``1b``, ``bench100m``, ...).
 
 Two phases: first every (preset, scheme) is compiled ahead of time, up to

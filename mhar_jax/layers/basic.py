@@ -172,7 +172,8 @@ def project_logits(x: jax.Array, head: jax.Array) -> jax.Array:
 
 
 def _project_logits_fwd(x, head):
-  return project_logits(x, head), (x, head)
+  return jnp.einsum("btd,vd->btv", x, head,
+                    preferred_element_type=jnp.float32), (x, head)
 
 
 def _project_logits_bwd(res, g):
