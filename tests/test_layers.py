@@ -87,12 +87,12 @@ def test_project_logits_gradients_run_in_the_input_dtype():
   want = vjp0(g)
   for a, b in zip((dx, dh), want):
     np.testing.assert_allclose(a.astype(jnp.float32), b, rtol=3e-2, atol=0.15)
-  # Every matmul of the backward takes bf16 operands (no float32 upcast).
+  # Every matmul, forward and backward, takes bf16 operands (no float32 upcast).
   jaxpr = jax.make_jaxpr(lambda x, h: jax.grad(
       lambda x, h: jnp.sum(project_logits(x, h) * g), argnums=(0, 1))(x, h))(
           xb, hb)
   dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
-  assert len(dots) == 2   # the two backward matmuls (the forward is in the custom_vjp call)
+  assert len(dots) == 3   # the forward and the two backward matmuls
   for e in dots:
     assert all(v.aval.dtype == jnp.bfloat16 for v in e.invars), e
 
