@@ -58,6 +58,8 @@ RUNS = {
     "attnres_seed1": {"model.residual": "attnres", "train.seed": 1},
     "mhar_h8_seed1": {"model.residual": "mhar", "model.routing_heads": 8,
                       "train.seed": 1},
+    "mhar_h4_seed1": {"model.residual": "mhar", "model.routing_heads": 4,
+                      "train.seed": 1},
 }
 
 # Continued training of the delta demonstration (the paper's mid-training
@@ -255,10 +257,14 @@ def cmd_report(a):
   base_of = {r["overrides"].get("train.seed", 0): r for r in runs
              if r["residual"] == "prenorm" and not r["name"].startswith("demo_")}
   demo_plain = next((r for r in runs if r["name"] == "demo_plain"), None)
+  # ... and against the AttnRes run of the same seed (the run named
+  # ``attnres`` / ``attnres_seed1``).
+  attnres_of = {r["overrides"].get("train.seed", 0): r for r in runs
+                if r["name"] in ("attnres", "attnres_seed1")}
   base = base_of.get(0)
   lines = ["| run | scheme | H | seed | tokens | val loss | Δ vs pre-norm |"
-           " bpb val | bpb prose | bpb code | tokens/s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           " Δ vs AttnRes | bpb val | bpb prose | bpb code | tokens/s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in runs:
     ov = r["overrides"]
     label, heads = scheme_label(r["residual"], ov)
@@ -266,11 +272,14 @@ def cmd_report(a):
     ref = (demo_plain if r["name"].startswith("demo_") else
            base_of.get(ov.get("train.seed", 0)))
     delta = f"{r['val/loss'] - ref['val/loss']:+.4f}" if ref else "-"
+    att = attnres_of.get(ov.get("train.seed", 0))
+    vs_att = (f"{r['val/loss'] - att['val/loss']:+.4f}"
+              if att and not r["name"].startswith("demo_") else "-")
     speed = tp.get(bench.get(r["name"], ""))
     speed = f"{speed:,.0f}" if speed else "-"
     lines.append(
         f"| {r['name']} | {label} | {heads} | {ov.get('train.seed', 0)} |"
-        f" {tokens / 1e6:.1f}M | {r['val/loss']:.4f} | {delta} |"
+        f" {tokens / 1e6:.1f}M | {r['val/loss']:.4f} | {delta} | {vs_att} |"
         f" {r.get('val/bpb', float('nan')):.4f} |"
         f" {r.get('val_prose/bpb', float('nan')):.4f} |"
         f" {r.get('val_code/bpb', float('nan')):.4f} | {speed} |")
