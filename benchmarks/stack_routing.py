@@ -14,6 +14,7 @@ gain) of:
 * ``full/source``: the full method as one
   :func:`mhar_jax.kernels.stack.routed_stack` (``routing_backward="source"``);
 * ``block8/site``: Block MHAR with 8 blocks, ``route`` at every site;
+* ``block8/source``: the same as one ``routed_stack(..., blocks=...)``;
 
 each with the Triton kernels and the jnp reference (XLA). Printed: ms per
 microbatch, the routing's share (ms minus prenorm's), the bytes any routing
@@ -150,6 +151,11 @@ def run_shape(name, impls, heads, seed=0):
         ("block8/site", impl, functools.partial(site_loop, blocks=block8,
                                                 heads=heads, impl=impl),
          block8),
+        ("block8/source", impl, functools.partial(
+            lambda h, ps, q, g, impl: routed_stack(
+                h, ps, _scale, q, g, None, num_heads=heads, impl=impl,
+                blocks=block8),
+            impl=impl), block8),
     ]
   rows = []
   for label, impl, f, blocks in variants:

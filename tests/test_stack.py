@@ -27,6 +27,20 @@ def loop(h, params, queries, gains, consts, num_heads, eps=1e-6):
                          eps=eps)
 
 
+def block_loop(h, params, queries, gains, consts, num_heads, blocks):
+  """Block AttnRes / MHAR written out site by site (as layers.Transformer)."""
+  done, partial = [h], None
+  for j, p in enumerate(params):
+    sources = done if partial is None else done + [partial]
+    x = reference.route(sources, queries[j], gains[j], num_heads=num_heads)
+    y = toy_sublayer(j, p, x, consts)
+    partial = y if partial is None else partial + y
+    if j + 1 == len(params) or blocks[j + 1] != blocks[j]:
+      done.append(partial)
+      partial = None
+  return reference.route(done, queries[-1], gains[-1], num_heads=num_heads)
+
+
 def problem(n, d, shape=(3, 5), seed=0, dtype=jnp.float32):
   ks = jax.random.split(jax.random.key(seed), 5)
   h = jax.random.normal(ks[0], (*shape, d)).astype(dtype)
@@ -70,6 +84,48 @@ def test_values_and_gradients_match_the_site_loop(num_heads, n):
   wts = reference.routing_weights([h, h * 2 + 1], queries[0], gains[0],
                                   num_heads=num_heads)
   assert float(jnp.abs(wts - 0.5).max()) > 0.05
+
+
+@pytest.mark.parametrize("num_heads,blocks", [
+    (4, (0, 0, 1, 1, 1, 2)),       # blocks of 2, 3, 1
+    (1, (0, 0, 0, 0)),             # one block: every site reads [s_0, partial]
+    (2, (0, 1, 1, 2, 2, 2, 3)),
+    (8, (0, 1, 2))])               # one sublayer a block: the full method
+@pytest.mark.parametrize("buffers", [False, True])
+def test_blocks_match_the_block_loop(num_heads, blocks, buffers):
+  """Block AttnRes / MHAR through routed_stack: values and every gradient
+  against autodiff of the site-by-site block loop, with the list and the
+  whole-stack-buffer bookkeeping."""
+  from mhar_jax.kernels import stack
+  n = len(blocks)
+  h, params, queries, gains, consts, cot = problem(n, 16, seed=n)
+  plan = stack._Plan(num_heads, 1e-6, "reference", blocks=blocks,
+                     buffers=buffers)
+
+  def f_fused(h, params, queries, gains):
+    return jnp.sum(stack._stack(h, params, queries, gains, consts,
+                                toy_sublayer, plan) * cot)
+
+  def f_loop(h, params, queries, gains):
+    return jnp.sum(block_loop(h, params, queries, gains, consts, num_heads,
+                              blocks) * cot)
+
+  out = stack._stack(h, params, queries, gains, consts, toy_sublayer, plan)
+  want = block_loop(h, params, queries, gains, consts, num_heads, blocks)
+  assert rel_err(out, want) < 1e-5
+  g = jax.jit(jax.grad(f_fused, argnums=(0, 1, 2, 3)))(h, params, queries, gains)
+  w = jax.jit(jax.grad(f_loop, argnums=(0, 1, 2, 3)))(h, params, queries, gains)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g)[0],
+                          jax.tree.leaves(w)):
+    assert rel_err(a, b) < 2e-5, (jax.tree_util.keystr(path), rel_err(a, b))
+
+
+def test_bad_blocks_are_named():
+  h, params, queries, gains, consts, _ = problem(3, 8)
+  for blocks in ((0, 0), (1, 1, 2), (0, 2, 2), (0, 1, 0)):
+    with pytest.raises(ValueError, match=r"blocks=.*one block index per"):
+      routed_stack(h, params, toy_sublayer, queries, gains, consts,
+                   num_heads=2, blocks=blocks)
 
 
 def test_buffer_backward_equals_list_backward():
@@ -128,7 +184,8 @@ def test_bad_shapes_are_named():
 
 # -- the decoder with routing_backward="source" ------------------------------------
 
-def decoder_grads(residual, routing_backward, remat=False, heads=4, seed=0):
+def decoder_grads(residual, routing_backward, remat=False, heads=4, seed=0,
+                  num_blocks=0):
   from flax import nnx
 
   from mhar_jax.layers import Transformer, TransformerConfig
@@ -136,7 +193,7 @@ def decoder_grads(residual, routing_backward, remat=False, heads=4, seed=0):
                           num_kv_heads=1, head_dim=16, ffn_dim=48,
                           max_seq_len=16, residual=residual, routing_heads=heads,
                           dtype="float32", routing_backward=routing_backward,
-                          remat=remat)
+                          remat=remat, num_blocks=num_blocks)
   from mhar_jax import training
   gdef = training.graphdef(cfg)
   params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)),
@@ -156,12 +213,14 @@ def decoder_grads(residual, routing_backward, remat=False, heads=4, seed=0):
   return logits, g
 
 
-@pytest.mark.parametrize("residual,heads,remat", [("mhar", 4, False),
-                                                  ("attnres", 1, False),
-                                                  ("mhar", 2, True)])
-def test_decoder_source_backward_equals_site_backward(residual, heads, remat):
-  la, ga = decoder_grads(residual, "source", remat, heads)
-  lb, gb = decoder_grads(residual, "site", remat, heads)
+@pytest.mark.parametrize("residual,heads,remat,num_blocks", [
+    ("mhar", 4, False, 0), ("attnres", 1, False, 0), ("mhar", 2, True, 0),
+    ("mhar", 4, False, 2), ("attnres", 1, True, 3)])
+def test_decoder_source_backward_equals_site_backward(residual, heads, remat,
+                                                      num_blocks):
+  la, ga = decoder_grads(residual, "source", remat, heads,
+                         num_blocks=num_blocks)
+  lb, gb = decoder_grads(residual, "site", remat, heads, num_blocks=num_blocks)
   assert rel_err(la, lb) < 1e-5
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ga)[0],
                           jax.tree.leaves(gb)):
@@ -169,10 +228,17 @@ def test_decoder_source_backward_equals_site_backward(residual, heads, remat):
   assert np.abs(np.asarray(ga["routers"][1]["query"])).max() > 1e-4
 
 
-def test_source_backward_is_for_the_full_method_only():
+def test_source_backward_is_for_attnres_and_mhar():
   from mhar_jax.layers import TransformerConfig
-  with pytest.raises(ValueError, match="model.routing_backward='source'"):
-    TransformerConfig(residual="mhar", num_layers=2, num_blocks=2,
-                      routing_backward="source")
+  for residual in ("prenorm", "hyper", "delta"):
+    with pytest.raises(ValueError, match="model.routing_backward='source'"):
+      TransformerConfig(residual=residual, num_layers=2,
+                        routing_backward="source")
+  # blocks: "source" when asked for, "site" by default
+  assert TransformerConfig(residual="mhar", num_layers=2, num_blocks=2,
+                           routing_backward="source").source_major_backward
+  assert not TransformerConfig(residual="mhar", num_layers=2,
+                               num_blocks=2).source_major_backward
+  assert TransformerConfig(residual="mhar", num_layers=2).source_major_backward
   with pytest.raises(ValueError, match="model.routing_backward='sideways'"):
     TransformerConfig(routing_backward="sideways")

@@ -36,22 +36,22 @@ def rel(a, b):
   return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
 
 
-def grads(impl, h, params, queries, gains, cot, heads):
+def grads(impl, h, params, queries, gains, cot, heads, blocks=None):
   def f(h, params, queries, gains):
     out = routed_stack(h, params, sublayer, queries, gains,
                        jnp.asarray(1.3, jnp.float32), num_heads=heads,
-                       impl=impl)
+                       impl=impl, blocks=blocks)
     return jnp.sum(out.astype(jnp.float32) * cot), out
   return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True))(
       h, params, queries, gains)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("lead,d,heads,n", [((2, 37), 64, 4, 5),
-                                            ((3, 160), 1280, 8, 4),
-                                            ((1, 19), 256, 1, 3),
-                                            ((2, 64), 512, 16, 6)])
-def test_triton_stack_matches_reference(dtype, lead, d, heads, n):
+@pytest.mark.parametrize("lead,d,heads,n,blocks", [
+    ((2, 37), 64, 4, 5, None), ((3, 160), 1280, 8, 4, None),
+    ((1, 19), 256, 1, 3, None), ((2, 64), 512, 16, 6, None),
+    ((2, 37), 64, 4, 5, (0, 0, 1, 1, 1)), ((3, 160), 1280, 8, 6, (0, 0, 0, 1, 1, 2))])
+def test_triton_stack_matches_reference(dtype, lead, d, heads, n, blocks):
   ks = jax.random.split(jax.random.key(d + n), 6)
   h = (jax.random.normal(ks[0], (*lead, d)) * 2 + 0.5).astype(dtype)
   params = tuple({"w": jax.random.normal(k, (d, d)) / np.sqrt(d),
@@ -60,15 +60,16 @@ def test_triton_stack_matches_reference(dtype, lead, d, heads, n):
   queries = 0.5 * jax.random.normal(ks[2], (n + 1, d)) / np.sqrt(d / heads)
   gains = 1 + 0.3 * jax.random.normal(ks[3], (n + 1, d))
   cot = jax.random.normal(ks[4], lead + (d,))
-  (gt, out_t) = grads("triton", h, params, queries, gains, cot, heads)
-  (gr, out_r) = grads("reference", h, params, queries, gains, cot, heads)
+  (gt, out_t) = grads("triton", h, params, queries, gains, cot, heads, blocks)
+  (gr, out_r) = grads("reference", h, params, queries, gains, cot, heads, blocks)
   tol = TOL[dtype]
   assert rel(out_t, out_r) <= tol
   for a, b in zip(jax.tree.leaves(gt), jax.tree.leaves(gr)):
     assert rel(a, b) <= tol, rel(a, b)
 
 
-def test_decoder_source_backward_on_gpu():
+@pytest.mark.parametrize("num_blocks", [0, 2])
+def test_decoder_source_backward_on_gpu(num_blocks):
   from flax import nnx
 
   from mhar_jax import training
@@ -76,7 +77,7 @@ def test_decoder_source_backward_on_gpu():
   kw = dict(vocab_size=256, d_model=128, num_layers=3, num_heads=4,
             num_kv_heads=2, head_dim=32, ffn_dim=256, max_seq_len=64,
             residual="mhar", routing_heads=8, dtype="float32",
-            attention_impl="xla")
+            attention_impl="xla", num_blocks=num_blocks)
   toks = jax.random.randint(jax.random.key(0), (2, 64), 0, 256)
   out = {}
   for name, extra in (("site", dict(routing_backward="site",

@@ -50,9 +50,12 @@ def kernel_module():
       sys.modules["jax_triton"] = saved
 
 
-@pytest.mark.parametrize("n_tok,d,h,rows,i", [(37, 64, 4, 5, 0), (16, 40, 8, 3, 2),
-                                               (9, 24, 1, 4, 3), (5, 48, 16, 2, 1)])
-def test_kernel_matches_reference(kernel_module, n_tok, d, h, rows, i):
+@pytest.mark.parametrize("n_tok,d,h,rows,i,m", [
+    (37, 64, 4, 5, 0, None), (16, 40, 8, 3, 2, None), (9, 24, 1, 4, 3, None),
+    (5, 48, 16, 2, 1, None),
+    (19, 64, 4, 6, 2, 1),        # a block partial sum: one reader, mid-stack
+    (11, 40, 8, 7, 1, 3)])       # readers that stop before the last row
+def test_kernel_matches_reference(kernel_module, n_tok, d, h, rows, i, m):
   rng = np.random.default_rng(n_tok + d)
   s = rng.normal(size=(n_tok, d)).astype(np.float32)
   r = np.asarray(reference.inv_rms(jnp.asarray(s), 1e-6))
@@ -64,12 +67,14 @@ def test_kernel_matches_reference(kernel_module, n_tok, d, h, rows, i):
   lse = (r[None, :, None] * u
          + np.abs(rng.normal(size=(rows, n_tok, h))) + 0.1).astype(np.float32)
   xd = rng.normal(size=(rows, n_tok, h)).astype(np.float32)
-  m = rows - i
   c = d // h
   # reference: the jnp version of the same buffer interface
   ds_ref, dt_ref = stack.source_grad(jnp.asarray(s), jnp.asarray(r),
                                      jnp.asarray(dX), jnp.asarray(t),
-                                     jnp.asarray(lse), jnp.asarray(xd), i, h)
+                                     jnp.asarray(lse), jnp.asarray(xd), i, h,
+                                     m)
+  m = rows - i if m is None else m
+  assert dt_ref.shape == (m, d)
   ts = kernel_module
   bn = ts.tokens_per_program(d, h)
   ds = torch.full((n_tok, d), float("nan"))

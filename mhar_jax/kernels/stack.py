@@ -20,6 +20,16 @@ emits a gradient for each of them that autodiff then sums (DESIGN.md §3).
 ``<dx_j, x_j>`` uses the site's output as the forward rounded it (the same
 choice as FlashAttention's ``rowsum(dO * O)``).
 
+**Blocks** (Block AttnRes / Block MHAR, ``blocks=``): sublayers are grouped into
+blocks of consecutive sublayers; a site reads ``[s_0, finished block sums...,
+the current block's partial sum]`` (DESIGN.md §1). The same backward then works
+source by source over those arrays: a finished block sum is read by every site
+after its block (one contiguous run of sites to the end), a partial sum by its
+one site, and the gradient of a sublayer's output is the finished sum's
+gradient plus those of the partial sums after it in its block (a running sum
+kept while the backward walks the block down). One sublayer per block is the
+full method.
+
 Memory: the residuals are the sources, the sites' outputs (which the
 sublayers save anyway), ``[.., H]`` statistics per site and each sublayer's
 own autodiff residuals: the same as differentiating the loop.
@@ -44,7 +54,8 @@ Apply = Callable[[int, Any, jax.Array, Any], jax.Array]
 def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
                  queries: jax.Array, gains: jax.Array, consts: Any = None, *,
                  num_heads: int, eps: float = 1e-6,
-                 impl: str | None = None) -> jax.Array:
+                 impl: str | None = None,
+                 blocks: Sequence[int] | None = None) -> jax.Array:
   """The output of the last routing site of a fully routed stack.
 
   Args:
@@ -62,6 +73,9 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
     impl: ``"auto"`` / ``None`` (Triton on a CUDA backend with jax-triton,
       else jnp), ``"reference"`` or ``"triton"``, as for
       :func:`mhar_jax.kernels.route`.
+    blocks: ``n`` block indices, one per sublayer, non-decreasing from 0 in
+      steps of 0 or 1 (e.g. ``layers.router.block_boundaries``): Block
+      AttnRes / MHAR. ``None`` (or one block per sublayer) is the full method.
 
   Returns:
     ``x_n`` ``[..., D]`` in ``h``'s dtype.
@@ -76,7 +90,13 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
   if num_heads < 1 or d % num_heads:
     raise ValueError(f"routed_stack: num_heads={num_heads} must be >= 1 and"
                      f" divide the width D={d}.")
-  plan = _Plan(num_heads, float(eps), resolve_impl(impl))
+  blocks = tuple(range(n)) if blocks is None else tuple(int(b) for b in blocks)
+  if (len(blocks) != n or (n and blocks[0] != 0)
+      or any(b - a not in (0, 1) for a, b in zip(blocks, blocks[1:]))):
+    raise ValueError(
+        f"routed_stack: blocks={blocks} must give one block index per"
+        f" sublayer ({n}), starting at 0 and growing by 0 or 1.")
+  plan = _Plan(num_heads, float(eps), resolve_impl(impl), blocks=blocks)
   if plan.impl == "triton":
     from mhar_jax.kernels import triton_route
     mesh, axes = triton_route.sharding_plan(h)
@@ -90,6 +110,7 @@ class _Plan:
   num_heads: int
   eps: float
   impl: str                 # "reference" | "triton"
+  blocks: tuple = ()        # block index of each sublayer; () = one each
   mesh: Any = None          # triton: shard_map over this mesh's batch axes
   batch_axes: tuple = ()
   # Backward bookkeeping: whole-stack buffers (what the kernel reads) or
@@ -100,6 +121,11 @@ class _Plan:
   @property
   def use_buffers(self) -> bool:
     return self.impl == "triton" if self.buffers is None else self.buffers
+
+  def block_ends(self, n: int) -> bool:
+    """Whether sublayer ``j`` ends its block, for ``j = 0 .. n-1``."""
+    b = self.blocks or tuple(range(n))
+    return [j + 1 == n or b[j + 1] != b[j] for j in range(n)]
 
 
 def _site(sources, t_j, r, plan):
@@ -119,11 +145,23 @@ def _site(sources, t_j, r, plan):
 
 
 def _forward(h, params, queries, gains, consts, apply, plan, save):
+  """Runs the stack. Saved: ``done``/``done_r`` (``s_0`` and the finished block
+  sums with their inv-RMS), ``partials``/``partial_r`` (per site: the partial
+  sum it reads, or None), the sites' outputs and log-sum-exps, the sublayers'
+  VJPs and ``t = query * gain``."""
   t = (queries.astype(jnp.float32) * gains.astype(jnp.float32)).reshape(
       queries.shape[0], plan.num_heads, -1)
-  sources, rs, xs, lses, vjps = [h], [inv_rms(h, plan.eps)], [], [], []
+  ends = plan.block_ends(len(params))
+  done, done_r = [h], [inv_rms(h, plan.eps)]
+  partials, partial_r = [None] * (len(params) + 1), [None] * (len(params) + 1)
+  xs, lses, vjps = [], [], []
+  partial = None
   for j, p in enumerate(params):
-    x, lse = _site(sources, t[j], rs, plan)
+    if partial is None:
+      x, lse = _site(done, t[j], done_r, plan)
+    else:
+      partials[j], partial_r[j] = partial, inv_rms(partial, plan.eps)
+      x, lse = _site(done + [partial], t[j], done_r + [partial_r[j]], plan)
     if save:
       y, vjp = jax.vjp(lambda p, x, j=j: apply(j, p, x, consts), p, x)
       vjps.append(vjp)
@@ -135,12 +173,15 @@ def _forward(h, params, queries, gains, consts, apply, plan, save):
           f" return the sources' shape and dtype, {h.shape} {h.dtype}.")
     xs.append(x)
     lses.append(lse)
-    sources.append(y)
-    rs.append(inv_rms(y, plan.eps))
-  x, lse = _site(sources, t[-1], rs, plan)
+    partial = y if partial is None else partial + y
+    if ends[j]:
+      done.append(partial)
+      done_r.append(inv_rms(partial, plan.eps))
+      partial = None
+  x, lse = _site(done, t[-1], done_r, plan)
   xs.append(x)
   lses.append(lse)
-  return x, (sources, rs, xs, lses, vjps, t)
+  return x, (done, done_r, partials, partial_r, xs, lses, vjps, t)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -155,13 +196,15 @@ def _stack_fwd(h, params, queries, gains, consts, apply, plan):
   return x, (saved, queries, gains, consts)
 
 
-def source_grad(s, r, dX, t, lse, xd, i: int, num_heads: int):
-  """The gradient of source ``i`` from the sites ``i .. R-1`` that read it.
+def source_grad(s, r, dX, t, lse, xd, i: int, num_heads: int,
+                m: int | None = None):
+  """The gradient of a source from the sites ``i .. i+m-1`` that read it.
 
   ``s [..., D]``, ``r [...]``; whole-stack buffers ``dX [R, ..., D]`` (site
   cotangents), ``t [R, D]`` (query * gain), ``lse``/``xd [R, ..., H]`` (the
-  sites' log-sum-exp and ``<dx_j, x_j>`` per head), read from row ``i``.
-  Returns ``(ds [..., D]`` in ``s``'s dtype, ``dt [R - i, D]`` float32: this
+  sites' log-sum-exp and ``<dx_j, x_j>`` per head), read from row ``i``;
+  ``m`` rows (default: to the end, ``R - i``).
+  Returns ``(ds [..., D]`` in ``s``'s dtype, ``dt [m, D]`` float32: this
   source's share of those sites' query-gain gradient). The jnp reference of
   :func:`mhar_jax.kernels.triton_stack.source_grad`. It reads the buffers as
   one slice from row ``i`` (which XLA keeps in place while the backward
@@ -170,16 +213,16 @@ def source_grad(s, r, dX, t, lse, xd, i: int, num_heads: int):
   materialise a float32 copy of the slice.
   """
   d = s.shape[-1]
-  m = dX.shape[0] - i
+  m = dX.shape[0] - i if m is None else m
   sh = _heads(s, num_heads)                        # [..., H, C]
   r = r.astype(jnp.float32)[None, ..., None]       # [1, ..., 1]
-  dx = _heads(dX[i:], num_heads)                   # [m, ..., H, C]
-  tm = t[i:].reshape(m, num_heads, -1)
+  dx = _heads(dX[i:i + m], num_heads)              # [m, ..., H, C]
+  tm = t[i:i + m].reshape(m, num_heads, -1)
   tb = tm.reshape(m, *([1] * (s.ndim - 1)), *tm.shape[1:])
   u = jnp.sum(sh[None] * tb, axis=-1)              # [m, ..., H]
   logit = r * u
-  w = jnp.exp(logit - lse[i:])
-  dlogit = w * (jnp.sum(dx * sh[None], axis=-1) - xd[i:])
+  w = jnp.exp(logit - lse[i:i + m])
+  dlogit = w * (jnp.sum(dx * sh[None], axis=-1) - xd[i:i + m])
   dlr = dlogit * r
   coef = jnp.sum(dlogit * logit, axis=(0, -1))     # [...]
   ds = (jnp.sum(w[..., None] * dx + dlr[..., None] * tb, axis=0)
@@ -212,8 +255,10 @@ def _source_grad_lists(s, r, dxs, xs_dot, t, lses, num_heads):
 
 
 def _stack_bwd(apply, plan, res, g):
-  (sources, rs, xs, lses, vjps, t), queries, gains, consts = res
+  (done, done_r, partials, partial_r, xs, lses, vjps, t), queries, gains, \
+      consts = res
   n, h = len(vjps), plan.num_heads
+  ends = plan.block_ends(n)
   tt = t.reshape(n + 1, -1)
   dt = jnp.zeros_like(tt)
   dparams = [None] * n
@@ -225,35 +270,49 @@ def _stack_bwd(apply, plan, res, g):
     # Whole-stack buffers, filled from the top as the sites' cotangents
     # appear; each is updated in place (its only reader, the per-source
     # call, runs before the update that depends on its result).
-    dX = jnp.zeros((n + 1, *g.shape), sources[0].dtype).at[n].set(
-        g.astype(sources[0].dtype))
+    dX = jnp.zeros((n + 1, *g.shape), done[0].dtype).at[n].set(
+        g.astype(done[0].dtype))
     xd = jnp.zeros((n + 1, *g.shape[:-1], h), jnp.float32).at[n].set(
         dot_heads(g, xs[n]))
     lse = jnp.stack(lses)
   else:
     dxs, xds = [None] * (n + 1), [None] * (n + 1)
     dxs[n], xds[n] = g, dot_heads(g, xs[n])
-  dh = None
-  for i in range(n, -1, -1):            # source i is read by sites i .. n
+
+  def grad_of(s, r, i, m):
+    """Gradient of source ``s`` read by sites ``i .. i+m-1``; adds its share
+    of those sites' query-gain gradient to ``dt``."""
+    nonlocal dt
     if plan.use_buffers and plan.impl == "triton":
       from mhar_jax.kernels import triton_stack
-      ds, dti = triton_stack.source_grad(sources[i], rs[i], dX, tt, lse, xd,
-                                         i, h, plan.mesh, plan.batch_axes)
+      ds, dti = triton_stack.source_grad(s, r, dX, tt, lse, xd, i, h,
+                                         plan.mesh, plan.batch_axes, m=m)
     elif plan.use_buffers:
-      ds, dti = source_grad(sources[i], rs[i], dX, tt, lse, xd, i, h)
+      ds, dti = source_grad(s, r, dX, tt, lse, xd, i, h, m)
     else:
-      ds, dti = _source_grad_lists(sources[i], rs[i], dxs[i:], xds[i:],
-                                   tt[i:], lses[i:], h)
-    dt = dt.at[i:].add(dti)
-    if i == 0:
-      dh = ds
-      break
-    dparams[i - 1], dx = vjps[i - 1](ds)
+      ds, dti = _source_grad_lists(s, r, dxs[i:i + m], xds[i:i + m],
+                                   tt[i:i + m], lses[i:i + m], h)
+    dt = dt.at[i:i + m].add(dti)
+    return ds
+
+  # Walk the sublayers down. ``dy`` is the gradient of sublayer j's output:
+  # its block sum's gradient (read by every site after the block) plus those
+  # of the partial sums after j in its block (each read by one site).
+  finished = len(done) - 1     # index in ``done`` of the block j ends
+  dy = None
+  for j in range(n - 1, -1, -1):
+    if ends[j]:
+      dy = grad_of(done[finished], done_r[finished], j + 1, n - j)
+      finished -= 1
+    dparams[j], dx = vjps[j](dy)
     if plan.use_buffers:
-      dX = dX.at[i - 1].set(dx.astype(dX.dtype))
-      xd = xd.at[i - 1].set(dot_heads(dx, xs[i - 1]))
+      dX = dX.at[j].set(dx.astype(dX.dtype))
+      xd = xd.at[j].set(dot_heads(dx, xs[j]))
     else:
-      dxs[i - 1], xds[i - 1] = dx, dot_heads(dx, xs[i - 1])
+      dxs[j], xds[j] = dx, dot_heads(dx, xs[j])
+    if partials[j] is not None:
+      dy = dy + grad_of(partials[j], partial_r[j], j, 1)
+  dh = grad_of(done[0], done_r[0], 0, n + 1)
   # Site 0 reads s_0 alone: its query and gain have exactly zero gradient.
   # The formula leaves rounding noise there (<dx_0, s_0> - xd_0), which
   # Adam would turn into a random walk of parameters that cannot matter.

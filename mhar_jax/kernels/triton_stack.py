@@ -19,8 +19,8 @@ Bytes per source: ``s_i`` once, each ``dx_j`` once, ``ds_i`` once.
 
 Tiles follow :mod:`mhar_jax.kernels.triton_route`: a program owns ``BN`` whole
 tokens viewed as ``[BN, HP, CP]`` (heads x channels padded to powers of two,
-masked). Status: written against the reference and checked with Triton's
-interpreter on CPU (tests/test_triton_stack.py); not yet run or timed on a GPU.
+masked). Checked against the reference with Triton's interpreter on CPU
+(tests/test_triton_stack.py) and built on the GPU (tests/test_stack_gpu.py).
 """
 
 from __future__ import annotations
@@ -88,16 +88,17 @@ def tokens_per_program(d: int, h: int) -> int:
   return _tokens_per_program(_pow2(h) * _pow2(d // h), ELEMS_PER_THREAD, WARPS)
 
 
-def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int):
+def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
+                      m: int | None = None):
   """One source's gradient on local (unsharded) arrays.
 
   ``s [N, D]``, ``r [N]``, ``dX [R, N, D]``, ``t [R, D]``, ``lse``/``xd``
-  ``[R, N, H]``; sites ``i .. R-1`` read the source. Returns ``(ds [N, D],
-  dt [R - i, D])`` with ``dt`` this source's share of the query-gain
-  gradient of those sites.
+  ``[R, N, H]``; sites ``i .. i+m-1`` read the source (``m`` defaults to
+  ``R - i``). Returns ``(ds [N, D], dt [m, D])`` with ``dt`` this source's
+  share of the query-gain gradient of those sites.
   """
   n, d = s.shape
-  m = dX.shape[0] - i
+  m = dX.shape[0] - i if m is None else m
   c = d // h
   bn = tokens_per_program(d, h)
   ds, dlr = jt.triton_call(
@@ -113,7 +114,7 @@ def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int):
 
 
 def source_grad(s, r, dX, t, lse, xd, i: int, h: int, mesh=None,
-                batch_axes=()):
+                batch_axes=(), m: int | None = None):
   """:func:`source_grad_local` on ``[tokens, ...]`` arrays, under ``shard_map``
   over the batch axes of ``mesh`` when given (``dt`` psummed)."""
   from jax.sharding import PartitionSpec as P
@@ -124,7 +125,8 @@ def source_grad(s, r, dX, t, lse, xd, i: int, h: int, mesh=None,
     ds, dt = source_grad_local(
         s.reshape(-1, s.shape[-1]), r.reshape(-1),
         dX.reshape(dX.shape[0], -1, dX.shape[-1]), t,
-        lse.reshape(lse.shape[0], -1, h), xd.reshape(xd.shape[0], -1, h), i, h)
+        lse.reshape(lse.shape[0], -1, h), xd.reshape(xd.shape[0], -1, h), i, h,
+        m)
     if mesh is not None and batch_axes:
       dt = jax.lax.psum(dt, batch_axes)
     return ds.reshape(*loc, s.shape[-1]), dt

@@ -20,7 +20,8 @@ routing site precedes the final norm. The full method runs as one
 :func:`mhar_jax.kernels.stack.routed_stack` over all sublayers, whose backward
 works source by source (``routing_backward="source"``, what ``"auto"`` picks
 for it); ``"site"`` differentiates site by site instead (the same function
-and gradients; what the block variants always use). The LM head is the tied embedding, or a
+and gradients; what ``"auto"`` picks for the block variants, which take
+``"source"`` too). The LM head is the tied embedding, or a
 separate ``lm_head [V, D]`` with ``tie_embeddings=False``; ``qk_norm=False``
 drops the per-head QK-RMSNorm (Llama-style attention, for converted models).
 """
@@ -113,10 +114,10 @@ class TransformerConfig:
       bad("routing_impl", f"choose one of {kernels.IMPLS}.")
     if self.routing_backward not in ("auto", "site", "source"):
       bad("routing_backward", "choose 'auto', 'site' or 'source'.")
-    if self.routing_backward == "source" and not self.full_routing:
-      bad("routing_backward", "'source' is for the full method: needs"
-          " model.residual 'attnres' or 'mhar' with model.num_blocks=0;"
-          f" got residual={self.residual!r}, num_blocks={self.num_blocks}.")
+    if self.routing_backward == "source" and self.residual not in (
+        "attnres", "mhar"):
+      bad("routing_backward", "'source' is for AttnRes / MHAR (full or"
+          f" block); got model.residual={self.residual!r}.")
 
   @property
   def full_routing(self) -> bool:
@@ -126,8 +127,12 @@ class TransformerConfig:
 
   @property
   def source_major_backward(self) -> bool:
-    """Whether the stack routes as one ``routed_stack`` (source-major backward)."""
-    return self.full_routing and self.routing_backward in ("auto", "source")
+    """Whether the stack routes as one ``routed_stack`` (source-major
+    backward): ``"source"`` for AttnRes / MHAR, full or block; ``"auto"``
+    for the full method only (where it was measured faster on the H200)."""
+    return (self.residual in ("attnres", "mhar")
+            and (self.routing_backward == "source"
+                 or (self.routing_backward == "auto" and self.full_routing)))
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "TransformerConfig":
@@ -306,7 +311,8 @@ class Transformer(nnx.Module):
     return self.routers[-1](done)
 
   def _stacked(self, h, subs, positions):
-    """The full method as one ``routed_stack`` (source-major backward)."""
+    """AttnRes / MHAR (full or block) as one ``routed_stack`` (source-major
+    backward)."""
     from mhar_jax.kernels.stack import routed_stack
     graphdefs, states = zip(*(nnx.split(f) for f in subs))
     apply = functools.partial(_apply_sublayer, graphdefs=tuple(graphdefs))
@@ -316,7 +322,8 @@ class Transformer(nnx.Module):
     gains = jnp.stack([r.norm_scale[...] for r in self.routers])
     return routed_stack(h, states, apply, queries, gains, positions,
                         num_heads=self.cfg.heads_per_site,
-                        eps=self.cfg.norm_eps, impl=self.cfg.routing_impl)
+                        eps=self.cfg.norm_eps, impl=self.cfg.routing_impl,
+                        blocks=self.cfg.blocks)
 
   def _delta(self, h, subs, call, positions, routing, record):
     """The delta form: the ordinary stream plus ``gate * route([null, deltas])``."""
