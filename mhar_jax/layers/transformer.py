@@ -75,7 +75,7 @@ class TransformerConfig:
   param_dtype: str = "float32"
   attention_impl: str | None = None
   routing_impl: str = "auto"
-  routing_backward: str = "auto"   # "auto" | "site" | "source" (full method only)
+  routing_backward: str = "auto"   # "auto" | "site" | "source" (attnres / mhar)
   remat: bool = False
 
   def __post_init__(self):
