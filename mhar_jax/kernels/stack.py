@@ -122,7 +122,7 @@ class _Plan:
   def use_buffers(self) -> bool:
     return self.impl == "triton" if self.buffers is None else self.buffers
 
-  def block_ends(self, n: int) -> bool:
+  def block_ends(self, n: int) -> list[bool]:
     """Whether sublayer ``j`` ends its block, for ``j = 0 .. n-1``."""
     b = self.blocks or tuple(range(n))
     return [j + 1 == n or b[j + 1] != b[j] for j in range(n)]
@@ -147,13 +147,13 @@ def _site(sources, t_j, r, plan):
 def _forward(h, params, queries, gains, consts, apply, plan, save):
   """Runs the stack. Saved: ``done``/``done_r`` (``s_0`` and the finished block
   sums with their inv-RMS), ``partials``/``partial_r`` (per site: the partial
-  sum it reads, or None), the sites' outputs and log-sum-exps, the sublayers'
-  VJPs and ``t = query * gain``."""
+  sum it reads, or None; sites 0 .. n-1, the final site reads none), the
+  sites' outputs and log-sum-exps, the sublayers' VJPs and ``t = query * gain``."""
   t = (queries.astype(jnp.float32) * gains.astype(jnp.float32)).reshape(
       queries.shape[0], plan.num_heads, -1)
   ends = plan.block_ends(len(params))
   done, done_r = [h], [inv_rms(h, plan.eps)]
-  partials, partial_r = [None] * (len(params) + 1), [None] * (len(params) + 1)
+  partials, partial_r = [None] * len(params), [None] * len(params)
   xs, lses, vjps = [], [], []
   partial = None
   for j, p in enumerate(params):
