@@ -234,11 +234,11 @@ def test_source_backward_is_for_attnres_and_mhar():
     with pytest.raises(ValueError, match="model.routing_backward='source'"):
       TransformerConfig(residual=residual, num_layers=2,
                         routing_backward="source")
-  # blocks: "source" when asked for, "site" by default
-  assert TransformerConfig(residual="mhar", num_layers=2, num_blocks=2,
-                           routing_backward="source").source_major_backward
-  assert not TransformerConfig(residual="mhar", num_layers=2,
-                               num_blocks=2).source_major_backward
+  # full and block: "source" by default, "site" when asked for
+  assert TransformerConfig(residual="mhar", num_layers=2,
+                           num_blocks=2).source_major_backward
+  assert not TransformerConfig(residual="mhar", num_layers=2, num_blocks=2,
+                               routing_backward="site").source_major_backward
   assert TransformerConfig(residual="mhar", num_layers=2).source_major_backward
   with pytest.raises(ValueError, match="model.routing_backward='sideways'"):
     TransformerConfig(routing_backward="sideways")

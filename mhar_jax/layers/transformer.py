@@ -18,10 +18,9 @@ reads ``[s_0, finished block sums..., the current block's partial sum]``. One
 sublayer per block (the default, ``num_blocks=0``) is the full method. A final
 routing site precedes the final norm. The full method runs as one
 :func:`mhar_jax.kernels.stack.routed_stack` over all sublayers, whose backward
-works source by source (``routing_backward="source"``, what ``"auto"`` picks
-for it); ``"site"`` differentiates site by site instead (the same function
-and gradients; what ``"auto"`` picks for the block variants, which take
-``"source"`` too). The LM head is the tied embedding, or a
+works source by source (``routing_backward="source"``, what ``"auto"`` picks);
+Block AttnRes / MHAR run as the same op over their block sums. ``"site"``
+differentiates site by site instead (the same function and gradients). The LM head is the tied embedding, or a
 separate ``lm_head [V, D]`` with ``tie_embeddings=False``; ``qk_norm=False``
 drops the per-head QK-RMSNorm (Llama-style attention, for converted models).
 """
@@ -120,19 +119,13 @@ class TransformerConfig:
           f" block); got model.residual={self.residual!r}.")
 
   @property
-  def full_routing(self) -> bool:
-    """AttnRes / MHAR with one sublayer per block (the full method)."""
-    return (self.residual in ("attnres", "mhar")
-            and self.num_blocks in (0, 2 * self.num_layers))
-
-  @property
   def source_major_backward(self) -> bool:
     """Whether the stack routes as one ``routed_stack`` (source-major
-    backward): ``"source"`` for AttnRes / MHAR, full or block; ``"auto"``
-    for the full method only (where it was measured faster on the H200)."""
+    backward): AttnRes / MHAR, full or block, unless ``routing_backward`` is
+    ``"site"`` (measured faster on the H200 at every preset, full and
+    block; benchmarks/RESULTS.md)."""
     return (self.residual in ("attnres", "mhar")
-            and (self.routing_backward == "source"
-                 or (self.routing_backward == "auto" and self.full_routing)))
+            and self.routing_backward != "site")
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "TransformerConfig":
