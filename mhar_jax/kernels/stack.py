@@ -123,9 +123,15 @@ class _Plan:
     return self.impl == "triton" if self.buffers is None else self.buffers
 
   def block_ends(self, n: int) -> list[bool]:
-    """Whether sublayer ``j`` ends its block, for ``j = 0 .. n-1``."""
-    b = self.blocks or tuple(range(n))
-    return [j + 1 == n or b[j + 1] != b[j] for j in range(n)]
+    """:func:`block_ends` of ``blocks`` (one block per sublayer if empty)."""
+    return block_ends(self.blocks or range(n))
+
+
+def block_ends(blocks: Sequence[int]) -> list[bool]:
+  """Whether sublayer ``j`` is the last of its block, given each sublayer's
+  block index ``blocks[j]`` (the last sublayer always is)."""
+  return [j + 1 == len(blocks) or blocks[j + 1] != b
+          for j, b in enumerate(blocks)]
 
 
 def _site(sources, t_j, r, plan):

@@ -20,9 +20,10 @@ routing site precedes the final norm. The full method runs as one
 :func:`mhar_jax.kernels.stack.routed_stack` over all sublayers, whose backward
 works source by source (``routing_backward="source"``, what ``"auto"`` picks);
 Block AttnRes / MHAR run as the same op over their block sums. ``"site"``
-differentiates site by site instead (the same function and gradients). The LM head is the tied embedding, or a
-separate ``lm_head [V, D]`` with ``tie_embeddings=False``; ``qk_norm=False``
-drops the per-head QK-RMSNorm (Llama-style attention, for converted models).
+differentiates site by site instead (the same function and gradients). The
+LM head is the tied embedding, or a separate ``lm_head [V, D]`` with
+``tie_embeddings=False``; ``qk_norm=False`` drops the per-head QK-RMSNorm
+(Llama-style attention, for converted models).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mhar_jax import kernels
+from mhar_jax.kernels.stack import block_ends
 from mhar_jax.layers.basic import (Attention, RMSNorm, SwiGLU, normal, param,
                                    project_logits)
 from mhar_jax.layers.router import DepthRouter, HyperConnection, block_boundaries
@@ -287,7 +289,7 @@ class Transformer(nnx.Module):
 
   def _routed(self, h, subs, call, positions, routing, record):
     """AttnRes / MHAR, full or block: route before every sublayer and at the end."""
-    blocks = self.cfg.blocks
+    ends = block_ends(self.cfg.blocks)
     done = [h]          # s_0 and the finished block sums
     partial = None      # sum of the current block's outputs so far
     for j, f in enumerate(subs):
@@ -296,7 +298,7 @@ class Transformer(nnx.Module):
         routing.append(self.routers[j].weights(sources))
       y = call(f, self.routers[j](sources), positions)
       partial = y if partial is None else partial + y
-      if j + 1 == len(subs) or blocks[j + 1] != blocks[j]:
+      if ends[j]:
         done.append(partial)
         partial = None
     if record:
@@ -320,7 +322,7 @@ class Transformer(nnx.Module):
 
   def _delta(self, h, subs, call, positions, routing, record):
     """The delta form: the ordinary stream plus ``gate * route([null, deltas])``."""
-    blocks = self.cfg.blocks
+    ends = block_ends(self.cfg.blocks)
     null = jnp.broadcast_to(self.null_source[...].astype(h.dtype), h.shape)
     deltas = [null]
     x, block_start = h, h
@@ -335,7 +337,7 @@ class Transformer(nnx.Module):
 
     for j, f in enumerate(subs):
       x = x + call(f, corrected(j, x), positions)
-      if j + 1 == len(subs) or blocks[j + 1] != blocks[j]:
+      if ends[j]:
         deltas.append(x - block_start)
         block_start = x
     return corrected(len(subs), x)
