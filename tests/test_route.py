@@ -147,3 +147,15 @@ def test_reference_forward_saves_no_copy_of_sources():
   assert all(a is b for a, b in zip(saved_sources, src))
   chex.assert_shape([w, u], (4, 3, 2))
   chex.assert_shape(r, (4, 3))
+
+
+def test_triton_unrolled_code_is_generated():
+  """The unrolled per-source code of kernels/triton_route.py is what
+  tools/gen_route_steps.py writes (edit the generator, not the blocks)."""
+  import subprocess
+  import sys
+  from pathlib import Path
+  root = Path(__file__).resolve().parent.parent
+  res = subprocess.run([sys.executable, str(root / "tools/gen_route_steps.py"),
+                        "--check"], capture_output=True, text=True)
+  assert res.returncode == 0, res.stdout + res.stderr

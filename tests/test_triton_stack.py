@@ -54,7 +54,8 @@ def kernel_module():
     (37, 64, 4, 5, 0, None), (16, 40, 8, 3, 2, None), (9, 24, 1, 4, 3, None),
     (5, 48, 16, 2, 1, None),
     (19, 64, 4, 6, 2, 1),        # a block partial sum: one reader, mid-stack
-    (11, 40, 8, 7, 1, 3)])       # readers that stop before the last row
+    (11, 40, 8, 7, 1, 3),        # readers that stop before the last row
+    (6, 320, 2, 4, 1, None)])    # C = 160 = 128 + 32, as at 1b
 def test_kernel_matches_reference(kernel_module, n_tok, d, h, rows, i, m):
   rng = np.random.default_rng(n_tok + d)
   s = rng.normal(size=(n_tok, d)).astype(np.float32)
@@ -83,7 +84,7 @@ def test_kernel_matches_reference(kernel_module, n_tok, d, h, rows, i, m):
   grid = (triton.cdiv(n_tok, bn),)
   ts.source_grad_kernel[grid](
       T(s), T(r), T(dX), T(t), T(lse), T(xd), i, m, n_tok, ds, dlr,
-      D=d, H=h, C=c, HP=ts._pow2(h), CP=ts._pow2(c), BN=bn, STAGES=ts.STAGES)
+      **ts.tile_meta(d, h), BN=bn, STAGES=ts.STAGES)
   ds_ref = np.asarray(ds_ref).reshape(n_tok, d)
   assert np.isfinite(ds.numpy()).all() and np.isfinite(dlr.numpy()).all()
   assert np.abs(ds.numpy() - ds_ref).max() <= 1e-5 * np.abs(ds_ref).max()

@@ -25,10 +25,15 @@ kernel here takes ``MAX_SOURCES_PER_LAUNCH`` source pointers and a constexpr
 at compile time, and their slots get a dummy pointer). Sources are processed in
 chunks of at most ``CHUNK`` per launch.
 
-*Tiles.* A program owns ``BN`` whole tokens and views each row as a padded
-``[HP, CP]`` tile (``HP``/``CP`` = next powers of two of H and C, masked), so a
-head's channels lie along the last axis and per-head sums are one reduction.
-Masked lanes never touch memory, so padding costs registers, not bytes.
+*Tiles.* A program owns ``BN`` whole tokens and views each row in two parts
+so that a head's channels lie along the last axis and per-head sums are
+reductions over it: part a, channels ``[0, CA)`` of every head as ``[HP, CA]``,
+and part b, channels ``[CA, C)`` as ``[HP, CB]`` (``HP`` = next power of two of
+H, ``CA`` = largest power of two <= C, ``CB`` = next power of two of
+``C - CA``, 0 when C is a power of two; :func:`head_parts`). At C = 160 that
+is 128 + 32 lanes, no padding, where one ``[HP, pow2(C)]`` view would pad 160
+to 256 (37.5% idle lanes, measured to cost about a third of the bandwidth).
+Masked lanes never touch memory; padding costs threads and registers.
 
 *Prefetch.* Each source step ends in cross-warp reductions (the sum of
 squares spans all heads), which the compiler does not move loads across, so
@@ -131,48 +136,100 @@ POISON = bool(int(os.environ.get("MHAR_TRITON_POISON", "0")))
 
 @triton.jit
 def _cols(H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
-          CP: tl.constexpr):
-  """Column offsets ``h*C + c`` of a padded ``[HP, CP]`` row view, and mask."""
+          CA: tl.constexpr, CB: tl.constexpr):
+  """Column offsets and masks of a row's two parts.
+
+  Part a is channels ``[0, CA)`` of every head as an ``[HP, CA]`` view
+  (offsets ``h*C + c``), part b channels ``[CA, C)`` as ``[HP, CB]``
+  (``h*C + CA + c``, masked at ``C - CA``). ``CB = 0`` (C a power of two): no
+  part b; its outputs alias part a's and every consumer ignores them.
+  """
   h = tl.arange(0, HP)
-  c = tl.arange(0, CP)
-  col = h[:, None] * C + c[None, :]
-  cmask = (h[:, None] < H) & (c[None, :] < C)
-  return col, cmask
+  ca = tl.arange(0, CA)
+  cola = h[:, None] * C + ca[None, :]
+  cmska = (h[:, None] < H) & (ca[None, :] < CA)
+  if CB > 0:
+    cb = tl.arange(0, CB)
+    colb = h[:, None] * C + CA + cb[None, :]
+    cmskb = (h[:, None] < H) & (cb[None, :] < C - CA)
+  else:
+    colb = cola
+    cmskb = cmska
+  return cola, cmska, colb, cmskb
 
 
 @triton.jit
-def _rows(tile, N, col, cmask, D: tl.constexpr, H: tl.constexpr,
-          HP: tl.constexpr, BN: tl.constexpr):
+def _rows(tile, N, cola, cmska, colb, cmskb, D: tl.constexpr,
+          H: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr):
   """Token tile ``tile``: int64 element offsets of its first row in a
-  ``[N, D]`` and an ``[N, H]`` array, int32 offsets inside the tile
-  (``[BN, HP, CP]`` and ``[BN, HP]``) and their masks."""
+  ``[N, D]`` and an ``[N, H]`` array; int32 offsets inside the tile of part a
+  (``[BN, HP, CA]``), part b (``[BN, HP, CB]``) and of ``[BN, HP]``; masks."""
   row0 = tile * BN
   rows = tl.arange(0, BN)
   nmask = (row0 + rows) < N
   base = row0.to(tl.int64) * D
   hbase = row0.to(tl.int64) * H
-  off = rows[:, None, None] * D + col[None, :, :]
-  mask = nmask[:, None, None] & cmask[None, :, :]
+  roff = rows[:, None, None] * D
+  offa = roff + cola[None, :, :]
+  mska = nmask[:, None, None] & cmska[None, :, :]
+  offb = roff + colb[None, :, :]
+  mskb = nmask[:, None, None] & cmskb[None, :, :]
   h = tl.arange(0, HP)
   hoff = rows[:, None] * H + h[None, :]
   hmask = nmask[:, None] & (h[None, :] < H)
-  return base, off, mask, hbase, hoff, hmask
+  return base, offa, mska, offb, mskb, hbase, hoff, hmask
 
 
 @triton.jit
-def _load(src, base, off, mask):
-  """One source tile ``[BN, HP, CP]`` in the source's dtype (issued early)."""
-  return tl.load(src + base + off, mask=mask, other=0.0)
+def _load(src, base, offa, mska, offb, mskb, CB: tl.constexpr):
+  """Both parts of a tile in ``src``'s dtype (issued early)."""
+  xa = tl.load(src + base + offa, mask=mska, other=0.0)
+  if CB > 0:
+    xb = tl.load(src + base + offb, mask=mskb, other=0.0)
+  else:
+    xb = xa
+  return xa, xb
 
 
 @triton.jit
-def _logits(xs, t, D: tl.constexpr, EPS: tl.constexpr):
-  """From a loaded tile: ``(x fp32, r [BN], u [BN, HP], logit [BN, HP])``."""
-  x = xs.to(tl.float32)
-  ss = tl.sum(tl.sum(x * x, axis=2), axis=1)
+def _store(dst, base, offa, mska, offb, mskb, va, vb, CB: tl.constexpr):
+  """Writes both parts of a tile, cast to ``dst``'s dtype."""
+  tl.store(dst + base + offa, va.to(dst.dtype.element_ty), mask=mska)
+  if CB > 0:
+    tl.store(dst + base + offb, vb.to(dst.dtype.element_ty), mask=mskb)
+
+
+@triton.jit
+def _zeros(BN: tl.constexpr, HP: tl.constexpr, CA: tl.constexpr,
+           CB: tl.constexpr):
+  """A zero fp32 tile, both parts."""
+  za = tl.zeros((BN, HP, CA), tl.float32)
+  if CB > 0:
+    zb = tl.zeros((BN, HP, CB), tl.float32)
+  else:
+    zb = za
+  return za, zb
+
+
+@triton.jit
+def _hsum(pa, pb, CB: tl.constexpr):
+  """Per-head sum over a head's channels of a two-part tile: ``[BN, HP]``."""
+  s = tl.sum(pa, axis=2)
+  if CB > 0:
+    s += tl.sum(pb, axis=2)
+  return s
+
+
+@triton.jit
+def _logits(xa, xb, ta, tb, D: tl.constexpr, EPS: tl.constexpr,
+            CB: tl.constexpr):
+  """From a loaded tile: ``(xa, xb fp32, r [BN], u [BN, HP], logit [BN, HP])``."""
+  xa = xa.to(tl.float32)
+  xb = xb.to(tl.float32)
+  ss = tl.sum(_hsum(xa * xa, xb * xb, CB), axis=1)
   r = tl.rsqrt(ss / D + EPS)
-  u = tl.sum(x * t[None, :, :], axis=2)
-  return x, r, u, r[:, None] * u
+  u = _hsum(xa * ta[None, :, :], xb * tb[None, :, :], CB)
+  return xa, xb, r, u, r[:, None] * u
 
 
 @triton.jit
@@ -192,16 +249,18 @@ def _pin(x, PIN: tl.constexpr):
 
 
 @triton.jit
-def _fwd_step(xs, t, m, l, acc, D: tl.constexpr, EPS: tl.constexpr,
-              PIN: tl.constexpr):
-  """One source of the online softmax: updates ``(m, l, acc)``."""
-  x, r, u, logit = _logits(xs, t, D, EPS)
+def _fwd_step(xa, xb, ta, tb, m, l, acca, accb, D: tl.constexpr,
+              EPS: tl.constexpr, PIN: tl.constexpr, CB: tl.constexpr):
+  """One source of the online softmax: updates ``(m, l, acca, accb)``."""
+  xa, xb, r, u, logit = _logits(xa, xb, ta, tb, D, EPS, CB)
   m_new = tl.maximum(m, logit)
   alpha = tl.exp(m - m_new)
   p = tl.exp(logit - m_new)
   l = l * alpha + p
-  acc = _pin(acc * alpha[:, :, None] + p[:, :, None] * x, PIN)
-  return m_new, l, acc
+  acca = _pin(acca * alpha[:, :, None] + p[:, :, None] * xa, PIN)
+  if CB > 0:
+    accb = _pin(accb * alpha[:, :, None] + p[:, :, None] * xb, PIN)
+  return m_new, l, acca, accb
 
 
 @triton.jit
@@ -217,7 +276,8 @@ def _fwd_kernel(
     NSRC: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
     PF: tl.constexpr, PIN: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
-    CP: tl.constexpr, BN: tl.constexpr, EPS: tl.constexpr):
+    CA: tl.constexpr, CB: tl.constexpr, BN: tl.constexpr,
+    EPS: tl.constexpr):
   """Forward over NSRC sources for BN tokens (grid: cdiv(N, BN)).
 
   Inputs: ``s*`` ``[N, D]`` (sources' dtype), ``t_ptr`` ``[D]`` fp32; unless
@@ -228,244 +288,259 @@ def _fwd_kernel(
   Outputs a variant does not write are 1-element dummies.
   """
   pid = tl.program_id(0)
-  col, cmask = _cols(H, C, HP, CP)
-  base, off, mask, hbase, hoff, hmask = _rows(pid, N, col, cmask, D, H,
-                                                 HP, BN)
-  t = tl.load(t_ptr + col, mask=cmask, other=0.0)
+  cola, cmska, colb, cmskb = _cols(H, C, HP, CA, CB)
+  base, offa, mska, offb, mskb, hbase, hoff, hmask = _rows(
+      pid, N, cola, cmska, colb, cmskb, D, H, HP, BN)
+  ta, tb = _load(t_ptr, 0, cola, cmska, colb, cmskb, CB)
   if FIRST:
     m = tl.full((BN, HP), float("-inf"), tl.float32)
     l = tl.zeros((BN, HP), tl.float32)
-    acc = tl.zeros((BN, HP, CP), tl.float32)
+    acca, accb = _zeros(BN, HP, CA, CB)
   else:
     m = tl.load(m_in + hbase + hoff, mask=hmask, other=0.0)
     l = tl.load(l_in + hbase + hoff, mask=hmask, other=1.0)
-    acc = tl.load(acc_in + base + off, mask=mask, other=0.0)
+    acca, accb = _load(acc_in, base, offa, mska, offb, mskb, CB)
   # <gen:FWD_STEPS>
   if PF > 0:
     if NSRC > 0:
-      x0 = _load(s0, base, off, mask)
+      x0a, x0b = _load(s0, base, offa, mska, offb, mskb, CB)
   if PF > 1:
     if NSRC > 1:
-      x1 = _load(s1, base, off, mask)
+      x1a, x1b = _load(s1, base, offa, mska, offb, mskb, CB)
   if PF > 2:
     if NSRC > 2:
-      x2 = _load(s2, base, off, mask)
+      x2a, x2b = _load(s2, base, offa, mska, offb, mskb, CB)
   if PF > 3:
     if NSRC > 3:
-      x3 = _load(s3, base, off, mask)
+      x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
   if NSRC > 0:
     if PF == 1:
       if NSRC > 1:
-        x1 = _load(s1, base, off, mask)
+        x1a, x1b = _load(s1, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 2:
-        x2 = _load(s2, base, off, mask)
+        x2a, x2b = _load(s2, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 3:
-        x3 = _load(s3, base, off, mask)
+        x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 4:
-        x4 = _load(s4, base, off, mask)
-    m, l, acc = _fwd_step(x0, t, m, l, acc, D, EPS, PIN)
+        x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
+    m, l, acca, accb = _fwd_step(x0a, x0b, ta, tb, m, l, acca,
+                                 accb, D, EPS, PIN, CB)
   if NSRC > 1:
     if PF == 1:
       if NSRC > 2:
-        x2 = _load(s2, base, off, mask)
+        x2a, x2b = _load(s2, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 3:
-        x3 = _load(s3, base, off, mask)
+        x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 4:
-        x4 = _load(s4, base, off, mask)
+        x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 5:
-        x5 = _load(s5, base, off, mask)
-    m, l, acc = _fwd_step(x1, t, m, l, acc, D, EPS, PIN)
+        x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
+    m, l, acca, accb = _fwd_step(x1a, x1b, ta, tb, m, l, acca,
+                                 accb, D, EPS, PIN, CB)
   if NSRC > 2:
     if PF == 1:
       if NSRC > 3:
-        x3 = _load(s3, base, off, mask)
+        x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 4:
-        x4 = _load(s4, base, off, mask)
+        x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 5:
-        x5 = _load(s5, base, off, mask)
+        x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 6:
-        x6 = _load(s6, base, off, mask)
-    m, l, acc = _fwd_step(x2, t, m, l, acc, D, EPS, PIN)
+        x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
+    m, l, acca, accb = _fwd_step(x2a, x2b, ta, tb, m, l, acca,
+                                 accb, D, EPS, PIN, CB)
   if NSRC > 3:
     if PF == 1:
       if NSRC > 4:
-        x4 = _load(s4, base, off, mask)
+        x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 5:
-        x5 = _load(s5, base, off, mask)
+        x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 6:
-        x6 = _load(s6, base, off, mask)
+        x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 7:
-        x7 = _load(s7, base, off, mask)
-    m, l, acc = _fwd_step(x3, t, m, l, acc, D, EPS, PIN)
+        x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
+    m, l, acca, accb = _fwd_step(x3a, x3b, ta, tb, m, l, acca,
+                                 accb, D, EPS, PIN, CB)
   if NSRC > 4:
     if PF == 1:
       if NSRC > 5:
-        x5 = _load(s5, base, off, mask)
+        x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 6:
-        x6 = _load(s6, base, off, mask)
+        x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 7:
-        x7 = _load(s7, base, off, mask)
+        x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 8:
-        x8 = _load(s8, base, off, mask)
-    m, l, acc = _fwd_step(x4, t, m, l, acc, D, EPS, PIN)
+        x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
+    m, l, acca, accb = _fwd_step(x4a, x4b, ta, tb, m, l, acca,
+                                 accb, D, EPS, PIN, CB)
   if NSRC > 5:
     if PF == 1:
       if NSRC > 6:
-        x6 = _load(s6, base, off, mask)
+        x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 7:
-        x7 = _load(s7, base, off, mask)
+        x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 8:
-        x8 = _load(s8, base, off, mask)
+        x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 9:
-        x9 = _load(s9, base, off, mask)
-    m, l, acc = _fwd_step(x5, t, m, l, acc, D, EPS, PIN)
+        x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
+    m, l, acca, accb = _fwd_step(x5a, x5b, ta, tb, m, l, acca,
+                                 accb, D, EPS, PIN, CB)
   if NSRC > 6:
     if PF == 1:
       if NSRC > 7:
-        x7 = _load(s7, base, off, mask)
+        x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 8:
-        x8 = _load(s8, base, off, mask)
+        x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 9:
-        x9 = _load(s9, base, off, mask)
+        x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 10:
-        x10 = _load(s10, base, off, mask)
-    m, l, acc = _fwd_step(x6, t, m, l, acc, D, EPS, PIN)
+        x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
+    m, l, acca, accb = _fwd_step(x6a, x6b, ta, tb, m, l, acca,
+                                 accb, D, EPS, PIN, CB)
   if NSRC > 7:
     if PF == 1:
       if NSRC > 8:
-        x8 = _load(s8, base, off, mask)
+        x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 9:
-        x9 = _load(s9, base, off, mask)
+        x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 10:
-        x10 = _load(s10, base, off, mask)
+        x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 11:
-        x11 = _load(s11, base, off, mask)
-    m, l, acc = _fwd_step(x7, t, m, l, acc, D, EPS, PIN)
+        x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
+    m, l, acca, accb = _fwd_step(x7a, x7b, ta, tb, m, l, acca,
+                                 accb, D, EPS, PIN, CB)
   if NSRC > 8:
     if PF == 1:
       if NSRC > 9:
-        x9 = _load(s9, base, off, mask)
+        x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 10:
-        x10 = _load(s10, base, off, mask)
+        x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 11:
-        x11 = _load(s11, base, off, mask)
+        x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 12:
-        x12 = _load(s12, base, off, mask)
-    m, l, acc = _fwd_step(x8, t, m, l, acc, D, EPS, PIN)
+        x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
+    m, l, acca, accb = _fwd_step(x8a, x8b, ta, tb, m, l, acca,
+                                 accb, D, EPS, PIN, CB)
   if NSRC > 9:
     if PF == 1:
       if NSRC > 10:
-        x10 = _load(s10, base, off, mask)
+        x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 11:
-        x11 = _load(s11, base, off, mask)
+        x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 12:
-        x12 = _load(s12, base, off, mask)
+        x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 13:
-        x13 = _load(s13, base, off, mask)
-    m, l, acc = _fwd_step(x9, t, m, l, acc, D, EPS, PIN)
+        x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
+    m, l, acca, accb = _fwd_step(x9a, x9b, ta, tb, m, l, acca,
+                                 accb, D, EPS, PIN, CB)
   if NSRC > 10:
     if PF == 1:
       if NSRC > 11:
-        x11 = _load(s11, base, off, mask)
+        x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 12:
-        x12 = _load(s12, base, off, mask)
+        x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 13:
-        x13 = _load(s13, base, off, mask)
+        x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 14:
-        x14 = _load(s14, base, off, mask)
-    m, l, acc = _fwd_step(x10, t, m, l, acc, D, EPS, PIN)
+        x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
+    m, l, acca, accb = _fwd_step(x10a, x10b, ta, tb, m, l, acca,
+                                 accb, D, EPS, PIN, CB)
   if NSRC > 11:
     if PF == 1:
       if NSRC > 12:
-        x12 = _load(s12, base, off, mask)
+        x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 13:
-        x13 = _load(s13, base, off, mask)
+        x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 14:
-        x14 = _load(s14, base, off, mask)
+        x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 15:
-        x15 = _load(s15, base, off, mask)
-    m, l, acc = _fwd_step(x11, t, m, l, acc, D, EPS, PIN)
+        x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
+    m, l, acca, accb = _fwd_step(x11a, x11b, ta, tb, m, l, acca,
+                                 accb, D, EPS, PIN, CB)
   if NSRC > 12:
     if PF == 1:
       if NSRC > 13:
-        x13 = _load(s13, base, off, mask)
+        x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 14:
-        x14 = _load(s14, base, off, mask)
+        x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 15:
-        x15 = _load(s15, base, off, mask)
-    m, l, acc = _fwd_step(x12, t, m, l, acc, D, EPS, PIN)
+        x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
+    m, l, acca, accb = _fwd_step(x12a, x12b, ta, tb, m, l, acca,
+                                 accb, D, EPS, PIN, CB)
   if NSRC > 13:
     if PF == 1:
       if NSRC > 14:
-        x14 = _load(s14, base, off, mask)
+        x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 15:
-        x15 = _load(s15, base, off, mask)
-    m, l, acc = _fwd_step(x13, t, m, l, acc, D, EPS, PIN)
+        x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
+    m, l, acca, accb = _fwd_step(x13a, x13b, ta, tb, m, l, acca,
+                                 accb, D, EPS, PIN, CB)
   if NSRC > 14:
     if PF == 1:
       if NSRC > 15:
-        x15 = _load(s15, base, off, mask)
-    m, l, acc = _fwd_step(x14, t, m, l, acc, D, EPS, PIN)
+        x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
+    m, l, acca, accb = _fwd_step(x14a, x14b, ta, tb, m, l, acca,
+                                 accb, D, EPS, PIN, CB)
   if NSRC > 15:
-    m, l, acc = _fwd_step(x15, t, m, l, acc, D, EPS, PIN)
+    m, l, acca, accb = _fwd_step(x15a, x15b, ta, tb, m, l, acca,
+                                 accb, D, EPS, PIN, CB)
   # </gen:FWD_STEPS>
   if LAST:
-    out = acc / l[:, :, None]
-    tl.store(out_ptr + base + off, out.to(out_ptr.dtype.element_ty),
-             mask=mask)
+    inv = 1.0 / l[:, :, None]
+    _store(out_ptr, base, offa, mska, offb, mskb, acca * inv, accb * inv, CB)
     tl.store(lse_ptr + hbase + hoff, m + tl.log(l), mask=hmask)
   else:
     tl.store(m_out + hbase + hoff, m, mask=hmask)
     tl.store(l_out + hbase + hoff, l, mask=hmask)
-    tl.store(acc_out + base + off, acc, mask=mask)
+    _store(acc_out, base, offa, mska, offb, mskb, acca, accb, CB)
 
 
 @triton.jit
-def _cpass_step(xs, t, g, lse, c, D: tl.constexpr, EPS: tl.constexpr,
-                PIN: tl.constexpr):
+def _cpass_step(xa, xb, ta, tb, ga, gb, lse, c, D: tl.constexpr,
+                EPS: tl.constexpr, PIN: tl.constexpr, CB: tl.constexpr):
   """``c += w_i * <g, s_i>`` per head."""
-  x, r, u, logit = _logits(xs, t, D, EPS)
+  xa, xb, r, u, logit = _logits(xa, xb, ta, tb, D, EPS, CB)
   w = tl.exp(logit - lse)
-  return _pin(c + w * tl.sum(g * x, axis=2), PIN)
+  return _pin(c + w * _hsum(ga * xa, gb * xb, CB), PIN)
 
 
 @triton.jit
@@ -481,7 +556,8 @@ def _cpass_kernel(
     NSRC: tl.constexpr, FIRST: tl.constexpr, PF: tl.constexpr,
     PIN: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
-    CP: tl.constexpr, BN: tl.constexpr, EPS: tl.constexpr):
+    CA: tl.constexpr, CB: tl.constexpr, BN: tl.constexpr,
+    EPS: tl.constexpr):
   """Backward pass 1 (grid: cdiv(N, BN)): ``c = sum_i w_i <g, s_i>_h``.
 
   Inputs: ``s*`` ``[N, D]``, ``g_ptr`` ``[N, D]`` (d out), ``t_ptr`` ``[D]``,
@@ -489,11 +565,13 @@ def _cpass_kernel(
   earlier chunks). Output ``c_out`` ``[N, H]`` fp32.
   """
   pid = tl.program_id(0)
-  col, cmask = _cols(H, C, HP, CP)
-  base, off, mask, hbase, hoff, hmask = _rows(pid, N, col, cmask, D, H,
-                                                 HP, BN)
-  t = tl.load(t_ptr + col, mask=cmask, other=0.0)
-  g = tl.load(g_ptr + base + off, mask=mask, other=0.0).to(tl.float32)
+  cola, cmska, colb, cmskb = _cols(H, C, HP, CA, CB)
+  base, offa, mska, offb, mskb, hbase, hoff, hmask = _rows(
+      pid, N, cola, cmska, colb, cmskb, D, H, HP, BN)
+  ta, tb = _load(t_ptr, 0, cola, cmska, colb, cmskb, CB)
+  ga, gb = _load(g_ptr, base, offa, mska, offb, mskb, CB)
+  ga = ga.to(tl.float32)
+  gb = gb.to(tl.float32)
   lse = tl.load(lse_ptr + hbase + hoff, mask=hmask, other=0.0)
   if FIRST:
     c = tl.zeros((BN, HP), tl.float32)
@@ -502,229 +580,251 @@ def _cpass_kernel(
   # <gen:CPASS_STEPS>
   if PF > 0:
     if NSRC > 0:
-      x0 = _load(s0, base, off, mask)
+      x0a, x0b = _load(s0, base, offa, mska, offb, mskb, CB)
   if PF > 1:
     if NSRC > 1:
-      x1 = _load(s1, base, off, mask)
+      x1a, x1b = _load(s1, base, offa, mska, offb, mskb, CB)
   if PF > 2:
     if NSRC > 2:
-      x2 = _load(s2, base, off, mask)
+      x2a, x2b = _load(s2, base, offa, mska, offb, mskb, CB)
   if PF > 3:
     if NSRC > 3:
-      x3 = _load(s3, base, off, mask)
+      x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
   if NSRC > 0:
     if PF == 1:
       if NSRC > 1:
-        x1 = _load(s1, base, off, mask)
+        x1a, x1b = _load(s1, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 2:
-        x2 = _load(s2, base, off, mask)
+        x2a, x2b = _load(s2, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 3:
-        x3 = _load(s3, base, off, mask)
+        x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 4:
-        x4 = _load(s4, base, off, mask)
-    c = _cpass_step(x0, t, g, lse, c, D, EPS, PIN)
+        x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
+    c = _cpass_step(x0a, x0b, ta, tb, ga, gb, lse, c, D, EPS,
+                    PIN, CB)
   if NSRC > 1:
     if PF == 1:
       if NSRC > 2:
-        x2 = _load(s2, base, off, mask)
+        x2a, x2b = _load(s2, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 3:
-        x3 = _load(s3, base, off, mask)
+        x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 4:
-        x4 = _load(s4, base, off, mask)
+        x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 5:
-        x5 = _load(s5, base, off, mask)
-    c = _cpass_step(x1, t, g, lse, c, D, EPS, PIN)
+        x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
+    c = _cpass_step(x1a, x1b, ta, tb, ga, gb, lse, c, D, EPS,
+                    PIN, CB)
   if NSRC > 2:
     if PF == 1:
       if NSRC > 3:
-        x3 = _load(s3, base, off, mask)
+        x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 4:
-        x4 = _load(s4, base, off, mask)
+        x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 5:
-        x5 = _load(s5, base, off, mask)
+        x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 6:
-        x6 = _load(s6, base, off, mask)
-    c = _cpass_step(x2, t, g, lse, c, D, EPS, PIN)
+        x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
+    c = _cpass_step(x2a, x2b, ta, tb, ga, gb, lse, c, D, EPS,
+                    PIN, CB)
   if NSRC > 3:
     if PF == 1:
       if NSRC > 4:
-        x4 = _load(s4, base, off, mask)
+        x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 5:
-        x5 = _load(s5, base, off, mask)
+        x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 6:
-        x6 = _load(s6, base, off, mask)
+        x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 7:
-        x7 = _load(s7, base, off, mask)
-    c = _cpass_step(x3, t, g, lse, c, D, EPS, PIN)
+        x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
+    c = _cpass_step(x3a, x3b, ta, tb, ga, gb, lse, c, D, EPS,
+                    PIN, CB)
   if NSRC > 4:
     if PF == 1:
       if NSRC > 5:
-        x5 = _load(s5, base, off, mask)
+        x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 6:
-        x6 = _load(s6, base, off, mask)
+        x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 7:
-        x7 = _load(s7, base, off, mask)
+        x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 8:
-        x8 = _load(s8, base, off, mask)
-    c = _cpass_step(x4, t, g, lse, c, D, EPS, PIN)
+        x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
+    c = _cpass_step(x4a, x4b, ta, tb, ga, gb, lse, c, D, EPS,
+                    PIN, CB)
   if NSRC > 5:
     if PF == 1:
       if NSRC > 6:
-        x6 = _load(s6, base, off, mask)
+        x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 7:
-        x7 = _load(s7, base, off, mask)
+        x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 8:
-        x8 = _load(s8, base, off, mask)
+        x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 9:
-        x9 = _load(s9, base, off, mask)
-    c = _cpass_step(x5, t, g, lse, c, D, EPS, PIN)
+        x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
+    c = _cpass_step(x5a, x5b, ta, tb, ga, gb, lse, c, D, EPS,
+                    PIN, CB)
   if NSRC > 6:
     if PF == 1:
       if NSRC > 7:
-        x7 = _load(s7, base, off, mask)
+        x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 8:
-        x8 = _load(s8, base, off, mask)
+        x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 9:
-        x9 = _load(s9, base, off, mask)
+        x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 10:
-        x10 = _load(s10, base, off, mask)
-    c = _cpass_step(x6, t, g, lse, c, D, EPS, PIN)
+        x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
+    c = _cpass_step(x6a, x6b, ta, tb, ga, gb, lse, c, D, EPS,
+                    PIN, CB)
   if NSRC > 7:
     if PF == 1:
       if NSRC > 8:
-        x8 = _load(s8, base, off, mask)
+        x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 9:
-        x9 = _load(s9, base, off, mask)
+        x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 10:
-        x10 = _load(s10, base, off, mask)
+        x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 11:
-        x11 = _load(s11, base, off, mask)
-    c = _cpass_step(x7, t, g, lse, c, D, EPS, PIN)
+        x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
+    c = _cpass_step(x7a, x7b, ta, tb, ga, gb, lse, c, D, EPS,
+                    PIN, CB)
   if NSRC > 8:
     if PF == 1:
       if NSRC > 9:
-        x9 = _load(s9, base, off, mask)
+        x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 10:
-        x10 = _load(s10, base, off, mask)
+        x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 11:
-        x11 = _load(s11, base, off, mask)
+        x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 12:
-        x12 = _load(s12, base, off, mask)
-    c = _cpass_step(x8, t, g, lse, c, D, EPS, PIN)
+        x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
+    c = _cpass_step(x8a, x8b, ta, tb, ga, gb, lse, c, D, EPS,
+                    PIN, CB)
   if NSRC > 9:
     if PF == 1:
       if NSRC > 10:
-        x10 = _load(s10, base, off, mask)
+        x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 11:
-        x11 = _load(s11, base, off, mask)
+        x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 12:
-        x12 = _load(s12, base, off, mask)
+        x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 13:
-        x13 = _load(s13, base, off, mask)
-    c = _cpass_step(x9, t, g, lse, c, D, EPS, PIN)
+        x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
+    c = _cpass_step(x9a, x9b, ta, tb, ga, gb, lse, c, D, EPS,
+                    PIN, CB)
   if NSRC > 10:
     if PF == 1:
       if NSRC > 11:
-        x11 = _load(s11, base, off, mask)
+        x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 12:
-        x12 = _load(s12, base, off, mask)
+        x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 13:
-        x13 = _load(s13, base, off, mask)
+        x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 14:
-        x14 = _load(s14, base, off, mask)
-    c = _cpass_step(x10, t, g, lse, c, D, EPS, PIN)
+        x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
+    c = _cpass_step(x10a, x10b, ta, tb, ga, gb, lse, c, D, EPS,
+                    PIN, CB)
   if NSRC > 11:
     if PF == 1:
       if NSRC > 12:
-        x12 = _load(s12, base, off, mask)
+        x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 13:
-        x13 = _load(s13, base, off, mask)
+        x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 14:
-        x14 = _load(s14, base, off, mask)
+        x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
     if PF == 4:
       if NSRC > 15:
-        x15 = _load(s15, base, off, mask)
-    c = _cpass_step(x11, t, g, lse, c, D, EPS, PIN)
+        x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
+    c = _cpass_step(x11a, x11b, ta, tb, ga, gb, lse, c, D, EPS,
+                    PIN, CB)
   if NSRC > 12:
     if PF == 1:
       if NSRC > 13:
-        x13 = _load(s13, base, off, mask)
+        x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 14:
-        x14 = _load(s14, base, off, mask)
+        x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
     if PF == 3:
       if NSRC > 15:
-        x15 = _load(s15, base, off, mask)
-    c = _cpass_step(x12, t, g, lse, c, D, EPS, PIN)
+        x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
+    c = _cpass_step(x12a, x12b, ta, tb, ga, gb, lse, c, D, EPS,
+                    PIN, CB)
   if NSRC > 13:
     if PF == 1:
       if NSRC > 14:
-        x14 = _load(s14, base, off, mask)
+        x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
     if PF == 2:
       if NSRC > 15:
-        x15 = _load(s15, base, off, mask)
-    c = _cpass_step(x13, t, g, lse, c, D, EPS, PIN)
+        x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
+    c = _cpass_step(x13a, x13b, ta, tb, ga, gb, lse, c, D, EPS,
+                    PIN, CB)
   if NSRC > 14:
     if PF == 1:
       if NSRC > 15:
-        x15 = _load(s15, base, off, mask)
-    c = _cpass_step(x14, t, g, lse, c, D, EPS, PIN)
+        x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
+    c = _cpass_step(x14a, x14b, ta, tb, ga, gb, lse, c, D, EPS,
+                    PIN, CB)
   if NSRC > 15:
-    c = _cpass_step(x15, t, g, lse, c, D, EPS, PIN)
+    c = _cpass_step(x15a, x15b, ta, tb, ga, gb, lse, c, D, EPS,
+                    PIN, CB)
   # </gen:CPASS_STEPS>
   tl.store(c_out + hbase + hoff, c, mask=hmask)
 
 
 @triton.jit
-def _bwd_step(xs, ds_ptr, base, off, mask, t, g, lse, c, dt,
-              D: tl.constexpr, EPS: tl.constexpr):
-  """Writes ``ds_i`` for one tile; returns ``dt + du_i * s_i``."""
-  x, r, u, logit = _logits(xs, t, D, EPS)
+def _bwd_step(xa, xb, ds_ptr, base, offa, mska, offb, mskb, ta, tb, ga, gb,
+              lse, c, dta, dtb, D: tl.constexpr, EPS: tl.constexpr,
+              CB: tl.constexpr):
+  """Writes ``ds_i`` for one tile; returns ``dt + du_i * s_i`` (both parts)."""
+  xa, xb, r, u, logit = _logits(xa, xb, ta, tb, D, EPS, CB)
   w = tl.exp(logit - lse)
-  dw = tl.sum(g * x, axis=2)
+  dw = _hsum(ga * xa, gb * xb, CB)
   dl = w * (dw - c)
   du = dl * r[:, None]
   dr = tl.sum(dl * u, axis=1)
-  coef = dr * r * r * r / D
-  ds = (w[:, :, None] * g + du[:, :, None] * t[None, :, :]
-        - coef[:, None, None] * x)
-  tl.store(ds_ptr + base + off, ds.to(ds_ptr.dtype.element_ty), mask=mask)
-  return dt + du[:, :, None] * x
+  coef = (dr * r * r * r / D)[:, None, None]
+  w3 = w[:, :, None]
+  du3 = du[:, :, None]
+  dsa = w3 * ga + du3 * ta[None, :, :] - coef * xa
+  dsb = w3 * gb + du3 * tb[None, :, :] - coef * xb
+  _store(ds_ptr, base, offa, mska, offb, mskb, dsa, dsb, CB)
+  dta += du3 * xa
+  if CB > 0:
+    dtb += du3 * xb
+  return dta, dtb
 
 
 @triton.jit
@@ -747,7 +847,8 @@ def _bwd_kernel(
     dt_ptr,
     NSRC: tl.constexpr, PF: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
-    CP: tl.constexpr, BN: tl.constexpr, EPS: tl.constexpr):
+    CA: tl.constexpr, CB: tl.constexpr, BN: tl.constexpr,
+    EPS: tl.constexpr):
   """Backward pass 2 (persistent grid of P programs over cdiv(N, BN) tiles).
 
   Inputs: ``s*`` ``[N, D]``, ``g_ptr`` ``[N, D]``, ``t_ptr`` ``[D]``,
@@ -757,241 +858,260 @@ def _bwd_kernel(
   """
   pid = tl.program_id(0)
   nprog = tl.num_programs(0)
-  col, cmask = _cols(H, C, HP, CP)
-  t = tl.load(t_ptr + col, mask=cmask, other=0.0)
-  dt = tl.zeros((BN, HP, CP), tl.float32)
+  cola, cmska, colb, cmskb = _cols(H, C, HP, CA, CB)
+  ta, tb = _load(t_ptr, 0, cola, cmska, colb, cmskb, CB)
+  dta, dtb = _zeros(BN, HP, CA, CB)
   for k in range(0, tl.cdiv(NTILES - pid, nprog)):
     tile = pid + k * nprog
-    base, off, mask, hbase, hoff, hmask = _rows(tile, N, col, cmask, D, H,
-                                                   HP, BN)
-    g = tl.load(g_ptr + base + off, mask=mask, other=0.0).to(tl.float32)
+    base, offa, mska, offb, mskb, hbase, hoff, hmask = _rows(
+        tile, N, cola, cmska, colb, cmskb, D, H, HP, BN)
+    ga, gb = _load(g_ptr, base, offa, mska, offb, mskb, CB)
+    ga = ga.to(tl.float32)
+    gb = gb.to(tl.float32)
     lse = tl.load(lse_ptr + hbase + hoff, mask=hmask, other=0.0)
     c = tl.load(c_ptr + hbase + hoff, mask=hmask, other=0.0)
     # <gen:BWD_STEPS>
     if PF > 0:
       if NSRC > 0:
-        x0 = _load(s0, base, off, mask)
+        x0a, x0b = _load(s0, base, offa, mska, offb, mskb, CB)
     if PF > 1:
       if NSRC > 1:
-        x1 = _load(s1, base, off, mask)
+        x1a, x1b = _load(s1, base, offa, mska, offb, mskb, CB)
     if PF > 2:
       if NSRC > 2:
-        x2 = _load(s2, base, off, mask)
+        x2a, x2b = _load(s2, base, offa, mska, offb, mskb, CB)
     if PF > 3:
       if NSRC > 3:
-        x3 = _load(s3, base, off, mask)
+        x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
     if NSRC > 0:
       if PF == 1:
         if NSRC > 1:
-          x1 = _load(s1, base, off, mask)
+          x1a, x1b = _load(s1, base, offa, mska, offb, mskb, CB)
       if PF == 2:
         if NSRC > 2:
-          x2 = _load(s2, base, off, mask)
+          x2a, x2b = _load(s2, base, offa, mska, offb, mskb, CB)
       if PF == 3:
         if NSRC > 3:
-          x3 = _load(s3, base, off, mask)
+          x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
       if PF == 4:
         if NSRC > 4:
-          x4 = _load(s4, base, off, mask)
-      dt = _bwd_step(x0, ds0, base, off, mask, t, g, lse, c, dt,
-                     D, EPS)
+          x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
+      dta, dtb = _bwd_step(x0a, x0b, ds0, base, offa, mska, offb,
+                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
+                           EPS, CB)
     if NSRC > 1:
       if PF == 1:
         if NSRC > 2:
-          x2 = _load(s2, base, off, mask)
+          x2a, x2b = _load(s2, base, offa, mska, offb, mskb, CB)
       if PF == 2:
         if NSRC > 3:
-          x3 = _load(s3, base, off, mask)
+          x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
       if PF == 3:
         if NSRC > 4:
-          x4 = _load(s4, base, off, mask)
+          x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
       if PF == 4:
         if NSRC > 5:
-          x5 = _load(s5, base, off, mask)
-      dt = _bwd_step(x1, ds1, base, off, mask, t, g, lse, c, dt,
-                     D, EPS)
+          x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
+      dta, dtb = _bwd_step(x1a, x1b, ds1, base, offa, mska, offb,
+                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
+                           EPS, CB)
     if NSRC > 2:
       if PF == 1:
         if NSRC > 3:
-          x3 = _load(s3, base, off, mask)
+          x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
       if PF == 2:
         if NSRC > 4:
-          x4 = _load(s4, base, off, mask)
+          x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
       if PF == 3:
         if NSRC > 5:
-          x5 = _load(s5, base, off, mask)
+          x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
       if PF == 4:
         if NSRC > 6:
-          x6 = _load(s6, base, off, mask)
-      dt = _bwd_step(x2, ds2, base, off, mask, t, g, lse, c, dt,
-                     D, EPS)
+          x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
+      dta, dtb = _bwd_step(x2a, x2b, ds2, base, offa, mska, offb,
+                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
+                           EPS, CB)
     if NSRC > 3:
       if PF == 1:
         if NSRC > 4:
-          x4 = _load(s4, base, off, mask)
+          x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
       if PF == 2:
         if NSRC > 5:
-          x5 = _load(s5, base, off, mask)
+          x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
       if PF == 3:
         if NSRC > 6:
-          x6 = _load(s6, base, off, mask)
+          x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
       if PF == 4:
         if NSRC > 7:
-          x7 = _load(s7, base, off, mask)
-      dt = _bwd_step(x3, ds3, base, off, mask, t, g, lse, c, dt,
-                     D, EPS)
+          x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
+      dta, dtb = _bwd_step(x3a, x3b, ds3, base, offa, mska, offb,
+                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
+                           EPS, CB)
     if NSRC > 4:
       if PF == 1:
         if NSRC > 5:
-          x5 = _load(s5, base, off, mask)
+          x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
       if PF == 2:
         if NSRC > 6:
-          x6 = _load(s6, base, off, mask)
+          x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
       if PF == 3:
         if NSRC > 7:
-          x7 = _load(s7, base, off, mask)
+          x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
       if PF == 4:
         if NSRC > 8:
-          x8 = _load(s8, base, off, mask)
-      dt = _bwd_step(x4, ds4, base, off, mask, t, g, lse, c, dt,
-                     D, EPS)
+          x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
+      dta, dtb = _bwd_step(x4a, x4b, ds4, base, offa, mska, offb,
+                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
+                           EPS, CB)
     if NSRC > 5:
       if PF == 1:
         if NSRC > 6:
-          x6 = _load(s6, base, off, mask)
+          x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
       if PF == 2:
         if NSRC > 7:
-          x7 = _load(s7, base, off, mask)
+          x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
       if PF == 3:
         if NSRC > 8:
-          x8 = _load(s8, base, off, mask)
+          x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
       if PF == 4:
         if NSRC > 9:
-          x9 = _load(s9, base, off, mask)
-      dt = _bwd_step(x5, ds5, base, off, mask, t, g, lse, c, dt,
-                     D, EPS)
+          x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
+      dta, dtb = _bwd_step(x5a, x5b, ds5, base, offa, mska, offb,
+                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
+                           EPS, CB)
     if NSRC > 6:
       if PF == 1:
         if NSRC > 7:
-          x7 = _load(s7, base, off, mask)
+          x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
       if PF == 2:
         if NSRC > 8:
-          x8 = _load(s8, base, off, mask)
+          x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
       if PF == 3:
         if NSRC > 9:
-          x9 = _load(s9, base, off, mask)
+          x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
       if PF == 4:
         if NSRC > 10:
-          x10 = _load(s10, base, off, mask)
-      dt = _bwd_step(x6, ds6, base, off, mask, t, g, lse, c, dt,
-                     D, EPS)
+          x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
+      dta, dtb = _bwd_step(x6a, x6b, ds6, base, offa, mska, offb,
+                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
+                           EPS, CB)
     if NSRC > 7:
       if PF == 1:
         if NSRC > 8:
-          x8 = _load(s8, base, off, mask)
+          x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
       if PF == 2:
         if NSRC > 9:
-          x9 = _load(s9, base, off, mask)
+          x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
       if PF == 3:
         if NSRC > 10:
-          x10 = _load(s10, base, off, mask)
+          x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
       if PF == 4:
         if NSRC > 11:
-          x11 = _load(s11, base, off, mask)
-      dt = _bwd_step(x7, ds7, base, off, mask, t, g, lse, c, dt,
-                     D, EPS)
+          x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
+      dta, dtb = _bwd_step(x7a, x7b, ds7, base, offa, mska, offb,
+                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
+                           EPS, CB)
     if NSRC > 8:
       if PF == 1:
         if NSRC > 9:
-          x9 = _load(s9, base, off, mask)
+          x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
       if PF == 2:
         if NSRC > 10:
-          x10 = _load(s10, base, off, mask)
+          x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
       if PF == 3:
         if NSRC > 11:
-          x11 = _load(s11, base, off, mask)
+          x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
       if PF == 4:
         if NSRC > 12:
-          x12 = _load(s12, base, off, mask)
-      dt = _bwd_step(x8, ds8, base, off, mask, t, g, lse, c, dt,
-                     D, EPS)
+          x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
+      dta, dtb = _bwd_step(x8a, x8b, ds8, base, offa, mska, offb,
+                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
+                           EPS, CB)
     if NSRC > 9:
       if PF == 1:
         if NSRC > 10:
-          x10 = _load(s10, base, off, mask)
+          x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
       if PF == 2:
         if NSRC > 11:
-          x11 = _load(s11, base, off, mask)
+          x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
       if PF == 3:
         if NSRC > 12:
-          x12 = _load(s12, base, off, mask)
+          x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
       if PF == 4:
         if NSRC > 13:
-          x13 = _load(s13, base, off, mask)
-      dt = _bwd_step(x9, ds9, base, off, mask, t, g, lse, c, dt,
-                     D, EPS)
+          x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
+      dta, dtb = _bwd_step(x9a, x9b, ds9, base, offa, mska, offb,
+                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
+                           EPS, CB)
     if NSRC > 10:
       if PF == 1:
         if NSRC > 11:
-          x11 = _load(s11, base, off, mask)
+          x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
       if PF == 2:
         if NSRC > 12:
-          x12 = _load(s12, base, off, mask)
+          x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
       if PF == 3:
         if NSRC > 13:
-          x13 = _load(s13, base, off, mask)
+          x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
       if PF == 4:
         if NSRC > 14:
-          x14 = _load(s14, base, off, mask)
-      dt = _bwd_step(x10, ds10, base, off, mask, t, g, lse, c, dt,
-                     D, EPS)
+          x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
+      dta, dtb = _bwd_step(x10a, x10b, ds10, base, offa, mska, offb,
+                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
+                           EPS, CB)
     if NSRC > 11:
       if PF == 1:
         if NSRC > 12:
-          x12 = _load(s12, base, off, mask)
+          x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
       if PF == 2:
         if NSRC > 13:
-          x13 = _load(s13, base, off, mask)
+          x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
       if PF == 3:
         if NSRC > 14:
-          x14 = _load(s14, base, off, mask)
+          x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
       if PF == 4:
         if NSRC > 15:
-          x15 = _load(s15, base, off, mask)
-      dt = _bwd_step(x11, ds11, base, off, mask, t, g, lse, c, dt,
-                     D, EPS)
+          x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
+      dta, dtb = _bwd_step(x11a, x11b, ds11, base, offa, mska, offb,
+                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
+                           EPS, CB)
     if NSRC > 12:
       if PF == 1:
         if NSRC > 13:
-          x13 = _load(s13, base, off, mask)
+          x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
       if PF == 2:
         if NSRC > 14:
-          x14 = _load(s14, base, off, mask)
+          x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
       if PF == 3:
         if NSRC > 15:
-          x15 = _load(s15, base, off, mask)
-      dt = _bwd_step(x12, ds12, base, off, mask, t, g, lse, c, dt,
-                     D, EPS)
+          x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
+      dta, dtb = _bwd_step(x12a, x12b, ds12, base, offa, mska, offb,
+                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
+                           EPS, CB)
     if NSRC > 13:
       if PF == 1:
         if NSRC > 14:
-          x14 = _load(s14, base, off, mask)
+          x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
       if PF == 2:
         if NSRC > 15:
-          x15 = _load(s15, base, off, mask)
-      dt = _bwd_step(x13, ds13, base, off, mask, t, g, lse, c, dt,
-                     D, EPS)
+          x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
+      dta, dtb = _bwd_step(x13a, x13b, ds13, base, offa, mska, offb,
+                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
+                           EPS, CB)
     if NSRC > 14:
       if PF == 1:
         if NSRC > 15:
-          x15 = _load(s15, base, off, mask)
-      dt = _bwd_step(x14, ds14, base, off, mask, t, g, lse, c, dt,
-                     D, EPS)
+          x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
+      dta, dtb = _bwd_step(x14a, x14b, ds14, base, offa, mska, offb,
+                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
+                           EPS, CB)
     if NSRC > 15:
-      dt = _bwd_step(x15, ds15, base, off, mask, t, g, lse, c, dt,
-                     D, EPS)
+      dta, dtb = _bwd_step(x15a, x15b, ds15, base, offa, mska, offb,
+                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
+                           EPS, CB)
     # </gen:BWD_STEPS>
-  tl.store(dt_ptr + pid * D + col, tl.sum(dt, axis=0), mask=cmask)
+  _store(dt_ptr, pid * D, cola, cmska, colb, cmskb, tl.sum(dta, axis=0),
+         tl.sum(dtb, axis=0), CB)
 
 
 # -----------------------------------------------------------------------------
@@ -1001,6 +1121,27 @@ def _bwd_kernel(
 
 def _pow2(x: int) -> int:
   return 1 << max(0, (x - 1).bit_length())
+
+
+def head_parts(c: int) -> tuple[int, int]:
+  """``(CA, CB)``: a head of ``c`` channels as two power-of-two parts, CA the
+  largest power of two <= c and CB = pow2(c - CA) (0 when c is one): 160 ->
+  (128, 32), 96 -> (64, 32), 128 -> (128, 0). Pads at most c - CA lanes."""
+  ca = 1 << (c.bit_length() - 1)
+  return ca, (_pow2(c - ca) if c > ca else 0)
+
+
+def tile_meta(d: int, h: int) -> dict:
+  """The tile constexprs ``D, H, C, HP, CA, CB`` of every kernel here."""
+  c = d // h
+  ca, cb = head_parts(c)
+  return dict(D=d, H=h, C=c, HP=_pow2(h), CA=ca, CB=cb)
+
+
+def tile_width(d: int, h: int) -> int:
+  """Lanes of one token's tile: ``HP * (CA + CB)`` (``>= D``)."""
+  ca, cb = head_parts(d // h)
+  return _pow2(h) * (ca + cb)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1034,13 +1175,8 @@ class _Cfg:
   def hp(self):
     return _pow2(self.h)
 
-  @property
-  def cp(self):
-    return _pow2(self.c)
-
   def meta(self, bn):
-    return dict(D=self.d, H=self.h, C=self.c, HP=self.hp, CP=self.cp, BN=bn,
-                EPS=float(self.eps))
+    return dict(tile_meta(self.d, self.h), BN=bn, EPS=float(self.eps))
 
 
 def _tokens_per_program(padded_width: int, elems_per_thread: int,
@@ -1066,7 +1202,7 @@ def _pf(x) -> int:
 
 def _make_cfg(d, h, eps, exact_bwd, mesh, batch_axes) -> _Cfg:
   tu = TUNING
-  width = _pow2(h) * _pow2(d // h)
+  width = tile_width(d, h)
   chunk = int(min(max(1, CHUNK), MAX_SOURCES_PER_LAUNCH))
   return _Cfg(
       d=d, h=h, eps=float(eps), exact_bwd=bool(exact_bwd), poison=POISON,

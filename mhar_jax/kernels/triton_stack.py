@@ -18,8 +18,8 @@ sites, compiles once for every source, and never slices (copies) a buffer.
 Bytes per source: ``s_i`` once, each ``dx_j`` once, ``ds_i`` once.
 
 Tiles follow :mod:`mhar_jax.kernels.triton_route`: a program owns ``BN`` whole
-tokens viewed as ``[BN, HP, CP]`` (heads x channels padded to powers of two,
-masked). Checked against the reference with Triton's interpreter on CPU
+tokens, each row viewed as two power-of-two parts per head, ``[HP, CA]`` and
+``[HP, CB]`` (``triton_route.head_parts``; 160 channels = 128 + 32). Checked against the reference with Triton's interpreter on CPU
 (tests/test_triton_stack.py) and built on the GPU (tests/test_stack_gpu.py).
 """
 
@@ -31,7 +31,9 @@ import jax_triton as jt
 import triton
 import triton.language as tl
 
-from mhar_jax.kernels.triton_route import _cols, _pow2, _rows, _tokens_per_program
+from mhar_jax.kernels.triton_route import (_cols, _hsum, _load, _rows, _store,
+                                           _tokens_per_program, _zeros,
+                                           tile_meta, tile_width)
 
 ELEMS_PER_THREAD = 16
 WARPS = 4
@@ -42,8 +44,8 @@ STAGES = 2
 def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, I, M, N,
                        ds_ptr, dlr_ptr,
                        D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
-                       HP: tl.constexpr, CP: tl.constexpr, BN: tl.constexpr,
-                       STAGES: tl.constexpr):
+                       HP: tl.constexpr, CA: tl.constexpr, CB: tl.constexpr,
+                       BN: tl.constexpr, STAGES: tl.constexpr):
   """One token tile of the gradient of one source from all its readers.
 
   ``s_ptr [N, D]`` (source dtype), ``r_ptr [N]`` fp32, ``dx_ptr [R, N, D]``
@@ -54,38 +56,42 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, I, M, N,
   constexprs.
   """
   tile = tl.program_id(0)
-  col, cmask = _cols(H, C, HP, CP)
-  base, off, mask, hbase, hoff, hmask = _rows(tile, N, col, cmask, D, H, HP,
-                                                 BN)
+  cola, cmska, colb, cmskb = _cols(H, C, HP, CA, CB)
+  base, offa, mska, offb, mskb, hbase, hoff, hmask = _rows(
+      tile, N, cola, cmska, colb, cmskb, D, H, HP, BN)
   rows = tile * BN + tl.arange(0, BN)
-  x = tl.load(s_ptr + base + off, mask=mask, other=0.0).to(tl.float32)
+  xa, xb = _load(s_ptr, base, offa, mska, offb, mskb, CB)
+  xa = xa.to(tl.float32)
+  xb = xb.to(tl.float32)
   r = tl.load(r_ptr + rows, mask=rows < N, other=0.0)
-  acc = tl.zeros((BN, HP, CP), tl.float32)
+  acca, accb = _zeros(BN, HP, CA, CB)
   coef = tl.zeros((BN, HP), tl.float32)
   nd = N.to(tl.int64) * D
   nh = N.to(tl.int64) * H
   for k in tl.range(0, M, num_stages=STAGES):
     j = (I + k).to(tl.int64)
-    dx = tl.load(dx_ptr + j * nd + base + off, mask=mask,
-                 other=0.0).to(tl.float32)
-    tk = tl.load(t_ptr + j * D + col, mask=cmask, other=0.0)
+    dxa, dxb = _load(dx_ptr + j * nd, base, offa, mska, offb, mskb, CB)
+    dxa = dxa.to(tl.float32)
+    dxb = dxb.to(tl.float32)
+    tka, tkb = _load(t_ptr + j * D, 0, cola, cmska, colb, cmskb, CB)
     lse = tl.load(lse_ptr + j * nh + hbase + hoff, mask=hmask, other=0.0)
     xd = tl.load(xd_ptr + j * nh + hbase + hoff, mask=hmask, other=0.0)
-    u = tl.sum(x * tk[None, :, :], axis=2)
-    logit = r[:, None] * u
+    logit = r[:, None] * _hsum(xa * tka[None, :, :], xb * tkb[None, :, :], CB)
     w = tl.exp(logit - lse)
-    dl = w * (tl.sum(dx * x, axis=2) - xd)
+    dl = w * (_hsum(dxa * xa, dxb * xb, CB) - xd)
     dlr = dl * r[:, None]
-    acc += w[:, :, None] * dx + dlr[:, :, None] * tk[None, :, :]
+    acca += w[:, :, None] * dxa + dlr[:, :, None] * tka[None, :, :]
+    if CB > 0:
+      accb += w[:, :, None] * dxb + dlr[:, :, None] * tkb[None, :, :]
     coef += dl * logit
     tl.store(dlr_ptr + k * nh + hbase + hoff, dlr, mask=hmask)
-  scale = tl.sum(coef, axis=1) * r * r / D
-  ds = acc - scale[:, None, None] * x
-  tl.store(ds_ptr + base + off, ds.to(ds_ptr.dtype.element_ty), mask=mask)
+  scale = (tl.sum(coef, axis=1) * r * r / D)[:, None, None]
+  _store(ds_ptr, base, offa, mska, offb, mskb, acca - scale * xa,
+         accb - scale * xb, CB)
 
 
 def tokens_per_program(d: int, h: int) -> int:
-  return _tokens_per_program(_pow2(h) * _pow2(d // h), ELEMS_PER_THREAD, WARPS)
+  return _tokens_per_program(tile_width(d, h), ELEMS_PER_THREAD, WARPS)
 
 
 def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
@@ -107,7 +113,7 @@ def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
       out_shape=[jax.ShapeDtypeStruct((n, d), s.dtype),
                  jax.ShapeDtypeStruct((m, n, h), jnp.float32)],
       grid=(triton.cdiv(n, bn),), num_warps=WARPS, num_stages=1,
-      D=d, H=h, C=c, HP=_pow2(h), CP=_pow2(c), BN=bn, STAGES=STAGES)
+      **tile_meta(d, h), BN=bn, STAGES=STAGES)
   dt = jnp.einsum("mnh,nhc->mhc", dlr,
                   s.astype(jnp.float32).reshape(n, h, c)).reshape(m, d)
   return ds, dt

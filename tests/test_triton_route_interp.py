@@ -1,0 +1,161 @@
+"""The routing kernels (kernels/triton_route.py) under Triton's interpreter.
+
+Runs on CPU where ``triton`` and ``torch`` are installed (``TRITON_INTERPRET=1``
+executes the kernels in numpy); skipped elsewhere. Launches the forward,
+c-pass and backward kernels directly, the way ``triton_route`` chains them
+(two launches carrying the online-softmax state, then the backward), on
+NaN-filled outputs, and checks every output against the jnp reference: the
+tiles' indexing (both parts of a head, token tails, padded heads) and math.
+tests/test_triton_route.py checks the real GPU build through jax-triton.
+"""
+
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+if jax.default_backend() == "gpu":   # there tests/test_triton_route.py runs
+  pytest.skip("interpreter test: CPU only", allow_module_level=True)
+torch = pytest.importorskip("torch")
+_SAVED_ENV = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"     # read when triton is imported
+triton = pytest.importorskip("triton")
+
+from mhar_jax.kernels import reference  # noqa: E402
+
+EPS = 1e-6
+
+
+@pytest.fixture(scope="module")
+def tr():
+  """triton_route imported with a stand-in for jax_triton (which needs a GPU
+  jaxlib to import); only the @triton.jit kernels are used here."""
+  saved = sys.modules.get("jax_triton")
+  sys.modules["jax_triton"] = types.ModuleType("jax_triton")
+  try:
+    sys.modules.pop("mhar_jax.kernels.triton_route", None)
+    from mhar_jax.kernels import triton_route
+    yield triton_route
+  finally:
+    if _SAVED_ENV is None:
+      os.environ.pop("TRITON_INTERPRET", None)
+    else:
+      os.environ["TRITON_INTERPRET"] = _SAVED_ENV
+    sys.modules.pop("mhar_jax.kernels.triton_route", None)
+    if saved is None:
+      sys.modules.pop("jax_triton", None)
+    else:
+      sys.modules["jax_triton"] = saved
+
+
+def _nan(*shape):
+  return torch.full(shape, float("nan"))
+
+
+def _T(a):
+  return torch.from_numpy(np.ascontiguousarray(np.asarray(a, np.float32)))
+
+
+def _close(got, want, tol=1e-5):
+  got = got.numpy() if hasattr(got, "numpy") else np.asarray(got)
+  want = np.asarray(want, np.float64)
+  assert np.isfinite(got).all(), "unwritten (NaN) output elements"
+  err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+  assert err <= tol, err
+
+
+@pytest.mark.parametrize("n_tok,d,h,nsrc,split,pf", [
+    (13, 320, 2, 5, 2, 2),     # C = 160 = 128 + 32: two parts, as at 1b
+    (9, 96, 1, 3, 1, 4),       # C = 96 = 64 + 32, one head (AttnRes)
+    (11, 56, 4, 4, 3, 1),      # C = 14 = 8 + 8 (part b masked at 6)
+    (7, 48, 16, 2, 1, 3),      # C = 3 = 2 + 2, H = 16
+    (10, 64, 4, 6, 4, 4),      # C = 16: one part only
+    (5, 40, 8, 1, 0, 1),       # one source, one launch; C = 5
+])
+def test_kernels_match_reference(tr, n_tok, d, h, nsrc, split, pf):
+  rng = np.random.default_rng(7 * n_tok + d + nsrc)
+  srcs = [(rng.normal(size=(n_tok, d)) * (0.5 + 0.6 * i) + 0.2 * i)
+          .astype(np.float32) for i in range(nsrc)]
+  query = (0.4 * rng.normal(size=d)).astype(np.float32)
+  scale = (1 + 0.3 * rng.normal(size=d)).astype(np.float32)
+  g = rng.normal(size=(n_tok, d)).astype(np.float32)
+  t = query * scale
+  meta = dict(tr.tile_meta(d, h), EPS=EPS)
+  bn = tr._tokens_per_program(tr.tile_width(d, h), 16, 4)
+  grid = (triton.cdiv(n_tok, bn),)
+  k = tr.MAX_SOURCES_PER_LAUNCH
+  T = [_T(s) for s in srcs]
+  tt = _T(t)
+  dummy = torch.zeros(1)
+
+  def slots(xs):
+    return list(xs) + [xs[0]] * (k - len(xs))
+
+  # forward: sources [0, split) then [split, nsrc), carrying (m, l, acc)
+  out, lse = _nan(n_tok, d), _nan(n_tok, h)
+  launches = [T[:split], T[split:]] if split else [T]
+  m = l = acc = None
+  for li, ch in enumerate(launches):
+    first, last = li == 0, li == len(launches) - 1
+    state = (tt, tt, tt) if first else (m, l, acc)
+    outs = ((out, lse, dummy, dummy, dummy) if last else
+            (dummy, dummy, _nan(n_tok, h), _nan(n_tok, h), _nan(n_tok, d)))
+    tr._fwd_kernel[grid](*slots(ch), tt, *state, *([dummy] * 5), n_tok,
+                         *outs, NSRC=len(ch), FIRST=first, LAST=last, PF=pf,
+                         PIN=False, BN=bn, **meta)
+    m, l, acc = outs[2:]
+  sj = [jnp.asarray(s) for s in srcs]
+  out_ref, vjp = jax.vjp(
+      lambda ss, q: reference.route(ss, q, jnp.asarray(scale), num_heads=h,
+                                    eps=EPS), sj, jnp.asarray(query))
+  _close(out, out_ref)
+  st = jnp.stack(sj)                                        # [S, N, D]
+  logits = (reference.inv_rms(st, EPS)[..., None]
+            * jnp.einsum("snhc,hc->snh", st.reshape(nsrc, n_tok, h, -1),
+                         jnp.asarray(t).reshape(h, -1)))
+  lse_ref = jax.nn.logsumexp(logits, axis=0)
+  _close(lse, lse_ref)
+
+  # backward pass 1: c = sum_i w_i <g, s_i>_h, chained over the same launches
+  w = jnp.exp(logits - lse_ref)
+  c_ref = jnp.sum(w * jnp.einsum("snhc,nhc->snh",
+                                 st.reshape(nsrc, n_tok, h, -1),
+                                 jnp.asarray(g).reshape(n_tok, h, -1)), 0)
+  gT = _T(g)
+  c = None
+  for li, ch in enumerate(launches):
+    first = li == 0
+    c_new = c if not first else _nan(n_tok, h)
+    tr._cpass_kernel[grid](*slots(ch), gT, tt, lse, tt if first else c,
+                           dummy, n_tok, c_new, NSRC=len(ch), FIRST=first,
+                           PF=pf, PIN=False, BN=bn, **meta)
+    c = c_new
+  _close(c, c_ref)
+
+  # backward pass 2: every ds_i and the per-program partial sums of dt
+  ntiles = grid[0]
+  progs = min(ntiles, 3)           # persistent programs looping over tiles
+  ds = [_nan(n_tok, d) for _ in range(nsrc)]
+  dt = _nan(progs, d)
+  tr._bwd_kernel[(progs,)](*slots(T), gT, tt, lse, c, *([dummy] * k), dummy,
+                           n_tok, ntiles, *slots(ds), dt, NSRC=nsrc, PF=pf,
+                           BN=bn, **meta)
+  ds_ref, dquery_ref = vjp(jnp.asarray(g))
+  for got, want in zip(ds, ds_ref):
+    _close(got, want)
+  _close(dt.sum(0) * _T(scale), dquery_ref)
+
+
+def test_head_parts(tr):
+  assert tr.head_parts(160) == (128, 32)
+  assert tr.head_parts(96) == (64, 32)
+  assert tr.head_parts(112) == (64, 64)
+  assert tr.head_parts(128) == (128, 0)
+  assert tr.head_parts(1) == (1, 0)
+  assert tr.tile_width(1280, 8) == 1280
+  assert tr.tile_width(1280, 16) == 16 * (64 + 16)
