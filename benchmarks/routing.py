@@ -225,7 +225,8 @@ def sweep(tr, n, s, d, h, dtype, copy_gbs, apply_best=True):
   out = []
   fwd_cfgs = [dict(fwd_elems_per_thread=ept, fwd_warps=w, fwd_prefetch=pf)
               for ept, w, pf in [(16, 4, 1), (16, 4, 2), (16, 4, 3),
-                                 (16, 4, 4), (16, 8, 3), (32, 4, 2)]]
+                                 (16, 4, 4), (16, 8, 3), (32, 4, 2),
+                                 (32, 4, 4), (16, 2, 4), (32, 8, 4)]]
   best = None
   for over in fwd_cfgs:
     tr.TUNING = dict(base)
@@ -244,7 +245,9 @@ def sweep(tr, n, s, d, h, dtype, copy_gbs, apply_best=True):
                    bwd_programs_per_sm=pps)
               for ept, w, pf, pps in [(16, 4, 1, 4), (16, 4, 2, 4),
                                       (16, 4, 3, 4), (16, 4, 2, 8),
-                                      (16, 8, 2, 2), (8, 2, 2, 8)]]
+                                      (16, 8, 2, 2), (8, 2, 2, 8),
+                                      (32, 4, 2, 8), (32, 4, 1, 8),
+                                      (16, 2, 2, 8)]]
   best = None
   for over in bwd_cfgs:
     tr.TUNING = dict(fwd_best)

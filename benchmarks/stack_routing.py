@@ -123,7 +123,7 @@ def copy_bandwidth(mib=2048):
   return 2 * x.nbytes / (median_ms(f, (x,)) / 1e3)
 
 
-def run_shape(name, impls, heads, seed=0):
+def run_shape(name, impls, heads, seed=0, only=None):
   tokens, d, n = SHAPES[name]
   rng = np.random.default_rng(seed)
   dt = jnp.bfloat16
@@ -159,6 +159,8 @@ def run_shape(name, impls, heads, seed=0):
     ]
   rows = []
   for label, impl, f, blocks in variants:
+    if only and label != "prenorm" and label not in only:
+      continue
     t0 = time.perf_counter()
     try:
       args = (h, ps, queries, gains)
@@ -186,14 +188,24 @@ def main():
   ap.add_argument("--shapes", default="100m,1b")
   ap.add_argument("--impls", default="triton,reference")
   ap.add_argument("--heads", type=int, default=8)
+  ap.add_argument("--variants", default="",
+                  help="comma list (e.g. full/source,block8/source); "
+                  "default all; prenorm always runs")
+  ap.add_argument("--source_grad_tuning", default="",
+                  help="JSON dict merged into triton_stack.TUNING")
   ap.add_argument("--json", default="")
   a = ap.parse_args()
+  if a.source_grad_tuning:
+    from mhar_jax.kernels import triton_stack
+    triton_stack.TUNING.update(json.loads(a.source_grad_tuning))
+    print(f"triton_stack.TUNING = {triton_stack.TUNING}", flush=True)
   bw = copy_bandwidth()
   print(f"{jax.devices()[0].device_kind}: copy bandwidth {bw / 1e12:.2f} TB/s",
         flush=True)
   rows = []
   for name in a.shapes.split(","):
-    rows += run_shape(name, [i for i in a.impls.split(",") if i], a.heads)
+    rows += run_shape(name, [i for i in a.impls.split(",") if i], a.heads,
+                      only=[v for v in a.variants.split(",") if v])
     if a.json:
       with open(a.json, "w") as f:
         json.dump({"copy_bytes_per_s": bw, "rows": rows}, f, indent=1)

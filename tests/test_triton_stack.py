@@ -84,7 +84,7 @@ def test_kernel_matches_reference(kernel_module, n_tok, d, h, rows, i, m):
   grid = (triton.cdiv(n_tok, bn),)
   ts.source_grad_kernel[grid](
       T(s), T(r), T(dX), T(t), T(lse), T(xd), i, m, n_tok, ds, dlr,
-      **ts.tile_meta(d, h), BN=bn, STAGES=ts.STAGES)
+      **ts.tile_meta(d, h), BN=bn, STAGES=ts.TUNING["stages"])
   ds_ref = np.asarray(ds_ref).reshape(n_tok, d)
   assert np.isfinite(ds.numpy()).all() and np.isfinite(dlr.numpy()).all()
   assert np.abs(ds.numpy() - ds_ref).max() <= 1e-5 * np.abs(ds_ref).max()

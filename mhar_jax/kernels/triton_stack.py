@@ -35,9 +35,13 @@ from mhar_jax.kernels.triton_route import (_cols, _hsum, _load, _rows, _store,
                                            _tokens_per_program, _zeros,
                                            tile_meta, tile_width)
 
-ELEMS_PER_THREAD = 16
-WARPS = 4
-STAGES = 2
+# Tokens per program are chosen so each thread holds about `elems_per_thread`
+# fp32 elements of a tile; `stages`: software-pipelining depth of the loop
+# over sites. 24 gives 2 tokens a program at D = 1280 and D = 1024, 4 at
+# D = 512 (H = 8): at D = 1280 the whole-stack backward of the 1b shape took
+# 230 ms with 2, 249 ms with 1 (benchmarks/RESULTS.md, session 9).
+# benchmarks/stack_routing.py --source_grad_tuning overrides them.
+TUNING: dict = {"elems_per_thread": 24, "warps": 4, "stages": 2}
 
 
 @triton.jit
@@ -91,7 +95,8 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, I, M, N,
 
 
 def tokens_per_program(d: int, h: int) -> int:
-  return _tokens_per_program(tile_width(d, h), ELEMS_PER_THREAD, WARPS)
+  return _tokens_per_program(tile_width(d, h), TUNING["elems_per_thread"],
+                             TUNING["warps"])
 
 
 def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
@@ -112,8 +117,8 @@ def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
       kernel=source_grad_kernel,
       out_shape=[jax.ShapeDtypeStruct((n, d), s.dtype),
                  jax.ShapeDtypeStruct((m, n, h), jnp.float32)],
-      grid=(triton.cdiv(n, bn),), num_warps=WARPS, num_stages=1,
-      **tile_meta(d, h), BN=bn, STAGES=STAGES)
+      grid=(triton.cdiv(n, bn),), num_warps=TUNING["warps"], num_stages=1,
+      **tile_meta(d, h), BN=bn, STAGES=TUNING["stages"])
   dt = jnp.einsum("mnh,nhc->mhc", dlr,
                   s.astype(jnp.float32).reshape(n, h, c)).reshape(m, d)
   return ds, dt
