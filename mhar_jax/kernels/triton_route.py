@@ -83,8 +83,9 @@ batch axes' size is processed replicated.
 Bytes moved per element of one source (b = bytes of the dtype, K = CHUNK,
 L = ceil(S/K) launches): forward ``S b + b + 8 (L - 1)``; exact backward
 ``2 S b`` (two reads) ``+ S b`` (writes) ``+ 2 b`` (g read twice). Measured on
-an H200 (bf16, D=1280, H=8, N=32k): forward 55% and fwd+bwd 48-50% of copy
-bandwidth on those bytes; benchmarks/ROUTING_NOTES.md has the numbers.
+an H200 (bf16, H=8, N=32k, S=37), as a share of copy bandwidth on those bytes:
+forward 78% and fwd+bwd 71% at D=1024; 68% and 62% at D=1280
+(benchmarks/RESULTS.md, session 9).
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ CHUNK = 16
 # Tuning knobs: tokens per program are chosen so that each thread holds about
 # `*_elems_per_thread` fp32 elements of one [BN, HP, CP] tile.
 # `*_prefetch` (1..4): source tiles loaded ahead of the one being reduced.
-# Defaults: best of the sweep on an H200 (benchmarks/ROUTING_NOTES.md).
+# Defaults: best of the sweep on an H200 (benchmarks/ROUTING_NOTES.md; the
+# forward re-checked at D = 1280, benchmarks/RESULTS.md session 9).
 TUNING: dict = {
     "fwd_elems_per_thread": 16, "fwd_warps": 4, "fwd_prefetch": 4,
     "cpass_elems_per_thread": 16, "cpass_warps": 4, "cpass_prefetch": 4,
