@@ -110,7 +110,7 @@ MAX_SOURCES_PER_LAUNCH = 16
 CHUNK = 16
 
 # Tuning knobs: tokens per program are chosen so that each thread holds about
-# `*_elems_per_thread` fp32 elements of one [BN, HP, CP] tile.
+# `*_elems_per_thread` fp32 elements of one [BN, HP, CA + CB] tile.
 # `*_prefetch` (1..4): source tiles loaded ahead of the one being reduced.
 # Defaults: best of the sweep on an H200 (benchmarks/ROUTING_NOTES.md; the
 # forward re-checked at D = 1280, benchmarks/RESULTS.md session 9).
