@@ -11,3 +11,49 @@ def make_trainer(cfg, workdir):
   m = validate(cfg, num_devices=1)
   return Trainer(cfg, m, str(workdir), resolve_data(cfg, m),
                  devices=jax.devices()[:1])
+
+
+_UNSET = object()
+_INTERPRET_AT_START = _UNSET
+
+
+def use_triton_interpreter():
+  """Sets ``TRITON_INTERPRET=1`` (call before importing triton: it is read
+  then and when kernels are decorated), remembering the value the session
+  started with for :func:`interpreted_kernels` to restore."""
+  import os
+  global _INTERPRET_AT_START
+  if _INTERPRET_AT_START is _UNSET:
+    _INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")
+  os.environ["TRITON_INTERPRET"] = "1"
+
+
+def interpreted_kernels(*names):
+  """Generator for a module fixture: imports the kernel modules ``names``
+  (``mhar_jax.kernels.triton_*``) under Triton's interpreter, with a stand-in
+  for jax_triton (which needs a GPU jaxlib to import; only the @triton.jit
+  kernels are used), yields the last, then restores sys.modules and the
+  session's original ``TRITON_INTERPRET`` so later tests and their
+  subprocesses see neither."""
+  import importlib
+  import os
+  import sys
+  import types
+  use_triton_interpreter()
+  saved = sys.modules.get("jax_triton")
+  sys.modules["jax_triton"] = types.ModuleType("jax_triton")
+  try:
+    for name in names:
+      sys.modules.pop(name, None)
+    yield [importlib.import_module(n) for n in names][-1]
+  finally:
+    if _INTERPRET_AT_START is None:
+      os.environ.pop("TRITON_INTERPRET", None)
+    else:
+      os.environ["TRITON_INTERPRET"] = _INTERPRET_AT_START
+    for name in names:
+      sys.modules.pop(name, None)
+    if saved is None:
+      sys.modules.pop("jax_triton", None)
+    else:
+      sys.modules["jax_triton"] = saved

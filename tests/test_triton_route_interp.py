@@ -9,9 +9,6 @@ tiles' indexing (both parts of a head, token tails, padded heads) and math.
 tests/test_triton_route.py checks the real GPU build through jax-triton.
 """
 
-import os
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -21,9 +18,10 @@ import jax.numpy as jnp
 
 if jax.default_backend() == "gpu":   # there tests/test_triton_route.py runs
   pytest.skip("interpreter test: CPU only", allow_module_level=True)
+from helpers import interpreted_kernels, use_triton_interpreter  # noqa: E402
+
 torch = pytest.importorskip("torch")
-_SAVED_ENV = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"     # read when triton is imported
+use_triton_interpreter()
 triton = pytest.importorskip("triton")
 
 from mhar_jax.kernels import reference  # noqa: E402
@@ -33,24 +31,7 @@ EPS = 1e-6
 
 @pytest.fixture(scope="module")
 def tr():
-  """triton_route imported with a stand-in for jax_triton (which needs a GPU
-  jaxlib to import); only the @triton.jit kernels are used here."""
-  saved = sys.modules.get("jax_triton")
-  sys.modules["jax_triton"] = types.ModuleType("jax_triton")
-  try:
-    sys.modules.pop("mhar_jax.kernels.triton_route", None)
-    from mhar_jax.kernels import triton_route
-    yield triton_route
-  finally:
-    if _SAVED_ENV is None:
-      os.environ.pop("TRITON_INTERPRET", None)
-    else:
-      os.environ["TRITON_INTERPRET"] = _SAVED_ENV
-    sys.modules.pop("mhar_jax.kernels.triton_route", None)
-    if saved is None:
-      sys.modules.pop("jax_triton", None)
-    else:
-      sys.modules["jax_triton"] = saved
+  yield from interpreted_kernels("mhar_jax.kernels.triton_route")
 
 
 def _nan(*shape):

@@ -6,9 +6,6 @@ indexing and math against ``stack.source_grad``; the GPU build and its speed
 are checked on the device (benchmarks/).
 """
 
-import os
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -18,36 +15,19 @@ import jax.numpy as jnp
 
 if jax.default_backend() == "gpu":   # there tests/test_stack_gpu.py runs the real build
   pytest.skip("interpreter test: CPU only", allow_module_level=True)
+from helpers import interpreted_kernels, use_triton_interpreter  # noqa: E402
+
 torch = pytest.importorskip("torch")
-_SAVED_ENV = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"     # read when triton is imported
+use_triton_interpreter()
 triton = pytest.importorskip("triton")
 
-from mhar_jax.kernels import reference, stack
+from mhar_jax.kernels import reference, stack  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def kernel_module():
-  """Imports triton_stack with a stand-in for jax_triton (which needs a GPU
-  jaxlib to import); only the @triton.jit kernel is used here."""
-  saved = sys.modules.get("jax_triton")
-  sys.modules["jax_triton"] = types.ModuleType("jax_triton")
-  try:
-    for name in ("mhar_jax.kernels.triton_stack", "mhar_jax.kernels.triton_route"):
-      sys.modules.pop(name, None)
-    from mhar_jax.kernels import triton_stack
-    yield triton_stack
-  finally:
-    if _SAVED_ENV is None:     # keep it out of later tests' subprocesses
-      os.environ.pop("TRITON_INTERPRET", None)
-    else:
-      os.environ["TRITON_INTERPRET"] = _SAVED_ENV
-    for name in ("mhar_jax.kernels.triton_stack", "mhar_jax.kernels.triton_route"):
-      sys.modules.pop(name, None)
-    if saved is None:
-      sys.modules.pop("jax_triton", None)
-    else:
-      sys.modules["jax_triton"] = saved
+  yield from interpreted_kernels("mhar_jax.kernels.triton_route",
+                                 "mhar_jax.kernels.triton_stack")
 
 
 @pytest.mark.parametrize("n_tok,d,h,rows,i,m", [
