@@ -15,6 +15,8 @@ gain) of:
   :func:`mhar_jax.kernels.stack.routed_stack` (``routing_backward="source"``);
 * ``block8/site``: Block MHAR with 8 blocks, ``route`` at every site;
 * ``block8/source``: the same as one ``routed_stack(..., blocks=...)``;
+* with ``--site_group G``: ``full/source-gG`` and ``block8/source-g``, the
+  source variants routed two-phase (``routed_stack(..., site_group=G)``);
 
 each with the Triton kernels and the jnp reference (XLA). Printed: ms per
 microbatch, the routing's share (ms minus prenorm's), the bytes any routing
@@ -123,7 +125,7 @@ def copy_bandwidth(mib=2048):
   return 2 * x.nbytes / (median_ms(f, (x,)) / 1e3)
 
 
-def run_shape(name, impls, heads, seed=0, only=None):
+def run_shape(name, impls, heads, seed=0, only=None, site_group=0):
   tokens, d, n = SHAPES[name]
   rng = np.random.default_rng(seed)
   dt = jnp.bfloat16
@@ -157,6 +159,17 @@ def run_shape(name, impls, heads, seed=0, only=None):
                 blocks=block8),
             impl=impl), block8),
     ]
+    if site_group:
+      variants += [
+          (f"full/source-g{site_group}", impl, functools.partial(
+              lambda h, ps, q, g, impl: routed_stack(
+                  h, ps, _scale, q, g, None, num_heads=heads, impl=impl,
+                  site_group=site_group), impl=impl), full),
+          ("block8/source-g", impl, functools.partial(
+              lambda h, ps, q, g, impl: routed_stack(
+                  h, ps, _scale, q, g, None, num_heads=heads, impl=impl,
+                  blocks=block8, site_group=site_group), impl=impl), block8),
+      ]
   rows = []
   for label, impl, f, blocks in variants:
     if only and label != "prenorm" and label not in only:
@@ -193,6 +206,10 @@ def main():
                   "default all; prenorm always runs")
   ap.add_argument("--source_grad_tuning", default="",
                   help="JSON dict merged into triton_stack.TUNING")
+  ap.add_argument("--site_group", type=int, default=0,
+                  help="also time the source variants two-phase in groups "
+                  "of this many sites (full/source-gG, block8/source-g: by "
+                  "block)")
   ap.add_argument("--json", default="")
   a = ap.parse_args()
   if a.source_grad_tuning:
@@ -205,7 +222,8 @@ def main():
   rows = []
   for name in a.shapes.split(","):
     rows += run_shape(name, [i for i in a.impls.split(",") if i], a.heads,
-                      only=[v for v in a.variants.split(",") if v])
+                      only=[v for v in a.variants.split(",") if v],
+                      site_group=a.site_group)
     if a.json:
       with open(a.json, "w") as f:
         json.dump({"copy_bytes_per_s": bw, "rows": rows}, f, indent=1)

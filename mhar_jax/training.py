@@ -93,10 +93,11 @@ def abstract_params(model_cfg: TransformerConfig) -> nnx.State:
 
 def fingerprint(model_cfg: TransformerConfig) -> dict:
   """What a checkpoint must match to be resumed: the architecture (not the
-  implementation choices routing_impl / routing_backward / attention_impl /
-  remat)."""
+  implementation choices routing_impl / routing_backward /
+  routing_site_group / attention_impl / remat)."""
   arch = dataclasses.asdict(model_cfg)
-  for k in ("routing_impl", "routing_backward", "attention_impl", "remat"):
+  for k in ("routing_impl", "routing_backward", "routing_site_group",
+            "attention_impl", "remat"):
     arch.pop(k)
   return {"model": arch}
 

@@ -61,10 +61,11 @@ def rel_err(a, b):
 
 
 @pytest.mark.parametrize("num_heads,n", [(1, 5), (2, 1), (4, 6), (8, 3)])
-def test_values_and_gradients_match_the_site_loop(num_heads, n):
+@pytest.mark.parametrize("site_group", [0, 2, 4])
+def test_values_and_gradients_match_the_site_loop(num_heads, n, site_group):
   h, params, queries, gains, consts, cot = problem(n, 16)
   fused = functools.partial(routed_stack, apply=toy_sublayer,
-                            num_heads=num_heads)
+                            num_heads=num_heads, site_group=site_group)
 
   def f_fused(h, params, queries, gains):
     return jnp.sum(fused(h, params, queries=queries, gains=gains,
@@ -91,16 +92,17 @@ def test_values_and_gradients_match_the_site_loop(num_heads, n):
     (1, (0, 0, 0, 0)),             # one block: every site reads [s_0, partial]
     (2, (0, 1, 1, 2, 2, 2, 3)),
     (8, (0, 1, 2))])               # one sublayer a block: the full method
-@pytest.mark.parametrize("buffers", [False, True])
-def test_blocks_match_the_block_loop(num_heads, blocks, buffers):
+@pytest.mark.parametrize("buffers,site_group", [(False, 0), (True, 0),
+                                               (True, 2)])
+def test_blocks_match_the_block_loop(num_heads, blocks, buffers, site_group):
   """Block AttnRes / MHAR through routed_stack: values and every gradient
   against autodiff of the site-by-site block loop, with the list and the
-  whole-stack-buffer bookkeeping."""
+  whole-stack-buffer bookkeeping, site by site and two-phase by block."""
   from mhar_jax.kernels import stack
   n = len(blocks)
   h, params, queries, gains, consts, cot = problem(n, 16, seed=n)
   plan = stack._Plan(num_heads, 1e-6, "reference", blocks=blocks,
-                     buffers=buffers)
+                     buffers=buffers, site_group=site_group)
 
   def f_fused(h, params, queries, gains):
     return jnp.sum(stack._stack(h, params, queries, gains, consts,
@@ -118,6 +120,31 @@ def test_blocks_match_the_block_loop(num_heads, blocks, buffers):
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g)[0],
                           jax.tree.leaves(w)):
     assert rel_err(a, b) < 2e-5, (jax.tree_util.keystr(path), rel_err(a, b))
+
+
+def test_site_groups():
+  from mhar_jax.kernels import stack
+  full = stack._Plan(2, 1e-6, "reference", site_group=3)
+  assert full.site_groups(6) == [(0, 3), (3, 6), (6, 7)]
+  assert stack._Plan(2, 1e-6, "reference").site_groups(2) == [
+      (0, 1), (1, 2), (2, 3)]
+  blocked = stack._Plan(2, 1e-6, "reference", blocks=(0, 0, 1, 1, 1),
+                        site_group=2)
+  assert blocked.site_groups(5) == [(0, 2), (2, 5), (5, 6)]
+
+
+def test_two_phase_bfloat16_is_site_by_site_up_to_rounding():
+  """The first phase's result is stored in bf16 before the later sources are
+  added: within bf16 rounding of routing every site on its own."""
+  n = 7
+  h, params, queries, gains, consts, _ = problem(n, 32, dtype=jnp.bfloat16)
+  kw = dict(apply=toy_sublayer, queries=queries, gains=gains, consts=consts,
+            num_heads=4)
+  one = routed_stack(h, params, **kw)
+  for g in (3, 8):
+    grouped = routed_stack(h, params, site_group=g, **kw)
+    assert grouped.dtype == jnp.bfloat16
+    assert rel_err(grouped.astype(jnp.float32), one.astype(jnp.float32)) < 2e-2
 
 
 def test_bad_blocks_are_named():
@@ -185,7 +212,7 @@ def test_bad_shapes_are_named():
 # -- the decoder with routing_backward="source" ------------------------------------
 
 def decoder_grads(residual, routing_backward, remat=False, heads=4, seed=0,
-                  num_blocks=0):
+                  num_blocks=0, site_group=0):
   from flax import nnx
 
   from mhar_jax.layers import Transformer, TransformerConfig
@@ -193,7 +220,8 @@ def decoder_grads(residual, routing_backward, remat=False, heads=4, seed=0,
                           num_kv_heads=1, head_dim=16, ffn_dim=48,
                           max_seq_len=16, residual=residual, routing_heads=heads,
                           dtype="float32", routing_backward=routing_backward,
-                          remat=remat, num_blocks=num_blocks)
+                          remat=remat, num_blocks=num_blocks,
+                          routing_site_group=site_group)
   from mhar_jax import training
   gdef = training.graphdef(cfg)
   params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)),
@@ -213,13 +241,15 @@ def decoder_grads(residual, routing_backward, remat=False, heads=4, seed=0,
   return logits, g
 
 
-@pytest.mark.parametrize("residual,heads,remat,num_blocks", [
-    ("mhar", 4, False, 0), ("attnres", 1, False, 0), ("mhar", 2, True, 0),
-    ("mhar", 4, False, 2), ("attnres", 1, True, 3)])
+@pytest.mark.parametrize("residual,heads,remat,num_blocks,site_group", [
+    ("mhar", 4, False, 0, 0), ("attnres", 1, False, 0, 0),
+    ("mhar", 2, True, 0, 0), ("mhar", 4, False, 2, 0),
+    ("attnres", 1, True, 3, 0),
+    ("mhar", 4, False, 0, 3), ("mhar", 2, True, 2, 2)])   # two-phase groups
 def test_decoder_source_backward_equals_site_backward(residual, heads, remat,
-                                                      num_blocks):
+                                                      num_blocks, site_group):
   la, ga = decoder_grads(residual, "source", remat, heads,
-                         num_blocks=num_blocks)
+                         num_blocks=num_blocks, site_group=site_group)
   lb, gb = decoder_grads(residual, "site", remat, heads, num_blocks=num_blocks)
   assert rel_err(la, lb) < 1e-5
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ga)[0],
@@ -242,3 +272,12 @@ def test_source_backward_is_for_attnres_and_mhar():
   assert TransformerConfig(residual="mhar", num_layers=2).source_major_backward
   with pytest.raises(ValueError, match="model.routing_backward='sideways'"):
     TransformerConfig(routing_backward="sideways")
+  # site groups: only for the source-major stack, a non-negative integer
+  with pytest.raises(ValueError, match="model.routing_site_group=4"):
+    TransformerConfig(residual="prenorm", num_layers=2, routing_site_group=4)
+  with pytest.raises(ValueError, match="model.routing_site_group=4"):
+    TransformerConfig(residual="mhar", num_layers=2, routing_site_group=4,
+                      routing_backward="site")
+  with pytest.raises(ValueError, match="model.routing_site_group=-1"):
+    TransformerConfig(residual="mhar", num_layers=2, routing_site_group=-1)
+  TransformerConfig(residual="mhar", num_layers=2, routing_site_group=4)

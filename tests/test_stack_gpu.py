@@ -36,22 +36,28 @@ def rel(a, b):
   return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
 
 
-def grads(impl, h, params, queries, gains, cot, heads, blocks=None):
+def grads(impl, h, params, queries, gains, cot, heads, blocks=None,
+          site_group=0):
   def f(h, params, queries, gains):
     out = routed_stack(h, params, sublayer, queries, gains,
                        jnp.asarray(1.3, jnp.float32), num_heads=heads,
-                       impl=impl, blocks=blocks)
+                       impl=impl, blocks=blocks, site_group=site_group)
     return jnp.sum(out.astype(jnp.float32) * cot), out
   return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True))(
       h, params, queries, gains)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("lead,d,heads,n,blocks", [
-    ((2, 37), 64, 4, 5, None), ((3, 160), 1280, 8, 4, None),
-    ((1, 19), 256, 1, 3, None), ((2, 64), 512, 16, 6, None),
-    ((2, 37), 64, 4, 5, (0, 0, 1, 1, 1)), ((3, 160), 1280, 8, 6, (0, 0, 0, 1, 1, 2))])
-def test_triton_stack_matches_reference(dtype, lead, d, heads, n, blocks):
+@pytest.mark.parametrize("lead,d,heads,n,blocks,site_group", [
+    ((2, 37), 64, 4, 5, None, 0), ((3, 160), 1280, 8, 4, None, 0),
+    ((1, 19), 256, 1, 3, None, 0), ((2, 64), 512, 16, 6, None, 0),
+    ((2, 37), 64, 4, 5, (0, 0, 1, 1, 1), 0),
+    ((3, 160), 1280, 8, 6, (0, 0, 0, 1, 1, 2), 0),
+    # two-phase site groups (Triton vs the jnp site-by-site reference)
+    ((3, 160), 1280, 8, 20, None, 8), ((2, 37), 64, 4, 5, None, 2),
+    ((3, 160), 1280, 8, 6, (0, 0, 0, 1, 1, 2), 2)])
+def test_triton_stack_matches_reference(dtype, lead, d, heads, n, blocks,
+                                        site_group):
   ks = jax.random.split(jax.random.key(d + n), 6)
   h = (jax.random.normal(ks[0], (*lead, d)) * 2 + 0.5).astype(dtype)
   params = tuple({"w": jax.random.normal(k, (d, d)) / np.sqrt(d),
@@ -60,7 +66,8 @@ def test_triton_stack_matches_reference(dtype, lead, d, heads, n, blocks):
   queries = 0.5 * jax.random.normal(ks[2], (n + 1, d)) / np.sqrt(d / heads)
   gains = 1 + 0.3 * jax.random.normal(ks[3], (n + 1, d))
   cot = jax.random.normal(ks[4], lead + (d,))
-  (gt, out_t) = grads("triton", h, params, queries, gains, cot, heads, blocks)
+  (gt, out_t) = grads("triton", h, params, queries, gains, cot, heads, blocks,
+                      site_group)
   (gr, out_r) = grads("reference", h, params, queries, gains, cot, heads, blocks)
   tol = TOL[dtype]
   assert rel(out_t, out_r) <= tol

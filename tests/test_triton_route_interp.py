@@ -50,6 +50,36 @@ def _close(got, want, tol=1e-5):
   assert err <= tol, err
 
 
+def _slots(tr, xs):
+  return list(xs) + [xs[0]] * (tr.MAX_SOURCES_PER_LAUNCH - len(xs))
+
+
+def _forward(tr, launches, t, n_tok, d, h, pf, init=None, i0=0):
+  """Runs the forward kernel for the G sites of ``t`` (``[G, D]``) over the
+  source lists ``launches`` (the first continuing rows ``i0 ..`` of
+  ``init = (out, lse)`` when given, the others carrying (m, l, acc));
+  returns ``(out, lse)``."""
+  g = t.shape[0]
+  meta = dict(tr.tile_meta(d, h), EPS=EPS)
+  bn = tr._tokens_per_program(tr.tile_width(d, h), 16, 4)
+  grid = (g * triton.cdiv(n_tok, bn),)
+  dummy = torch.zeros(1)
+  out, lse = _nan(g, n_tok, d), _nan(g, n_tok, h)
+  state, mode = (t, t, t), 0
+  if init is not None:
+    state, mode = (init[1], t, init[0]), 2
+  for li, ch in enumerate(launches):
+    last = li == len(launches) - 1
+    outs = ((out, lse, dummy, dummy, dummy) if last else
+            (dummy, dummy, _nan(g, n_tok, h), _nan(g, n_tok, h),
+             _nan(g, n_tok, d)))
+    tr._fwd_kernel[grid](*_slots(tr, ch), t, *state, *([dummy] * 5), n_tok,
+                         i0, *outs, NSRC=len(ch), INIT=mode, LAST=last, G=g,
+                         PF=pf, PIN=False, BN=bn, **meta)
+    state, mode = outs[2:], 1
+  return out, lse
+
+
 @pytest.mark.parametrize("n_tok,d,h,nsrc,split,pf", [
     (13, 320, 2, 5, 2, 2),     # C = 160 = 128 + 32: two parts, as at 1b
     (9, 96, 1, 3, 1, 4),       # C = 96 = 64 + 32, one head (AttnRes)
@@ -75,21 +105,11 @@ def test_kernels_match_reference(tr, n_tok, d, h, nsrc, split, pf):
   dummy = torch.zeros(1)
 
   def slots(xs):
-    return list(xs) + [xs[0]] * (k - len(xs))
+    return _slots(tr, xs)
 
   # forward: sources [0, split) then [split, nsrc), carrying (m, l, acc)
-  out, lse = _nan(n_tok, d), _nan(n_tok, h)
   launches = [T[:split], T[split:]] if split else [T]
-  m = l = acc = None
-  for li, ch in enumerate(launches):
-    first, last = li == 0, li == len(launches) - 1
-    state = (tt, tt, tt) if first else (m, l, acc)
-    outs = ((out, lse, dummy, dummy, dummy) if last else
-            (dummy, dummy, _nan(n_tok, h), _nan(n_tok, h), _nan(n_tok, d)))
-    tr._fwd_kernel[grid](*slots(ch), tt, *state, *([dummy] * 5), n_tok,
-                         *outs, NSRC=len(ch), FIRST=first, LAST=last, PF=pf,
-                         PIN=False, BN=bn, **meta)
-    m, l, acc = outs[2:]
+  out, lse = (x[0] for x in _forward(tr, launches, tt[None], n_tok, d, h, pf))
   sj = [jnp.asarray(s) for s in srcs]
   out_ref, vjp = jax.vjp(
       lambda ss, q: reference.route(ss, q, jnp.asarray(scale), num_heads=h,
@@ -140,3 +160,34 @@ def test_head_parts(tr):
   assert tr.head_parts(1) == (1, 0)
   assert tr.tile_width(1280, 8) == 1280
   assert tr.tile_width(1280, 16) == 16 * (64 + 16)
+
+
+@pytest.mark.parametrize("n_tok,d,h,sites,old,new", [
+    (9, 320, 2, 3, 3, 2),      # C = 160, two parts
+    (6, 56, 4, 4, 17, 5),      # old sources over two launches (16 + 1)
+    (5, 40, 8, 1, 2, 1),
+])
+def test_forward_sites_and_continuation(tr, n_tok, d, h, sites, old, new):
+  """Routing G sites in one launch, then continuing each from its (out, lse)
+  over more sources, equals routing each site over all its sources."""
+  rng = np.random.default_rng(n_tok * d + sites)
+  srcs = [(rng.normal(size=(n_tok, d)) * (0.5 + 0.3 * i) + 0.1 * i)
+          .astype(np.float32) for i in range(old + new)]
+  t = (0.5 * rng.normal(size=(sites, d))).astype(np.float32)
+  T = [_T(x) for x in srcs]
+  k = tr.MAX_SOURCES_PER_LAUNCH
+  first = _forward(tr, [T[i:min(i + k, old)] for i in range(0, old, k)],
+                   _T(t), n_tok, d, h, pf=2)
+  out, lse = _forward(tr, [T[old:]], _T(t), n_tok, d, h, pf=1, init=first)
+  ones = jnp.ones((d,))
+  for j in range(sites):
+    want = reference.route([jnp.asarray(x) for x in srcs], jnp.asarray(t[j]),
+                           ones, num_heads=h, eps=EPS)
+    _close(out[j], want)
+    # one site continuing row j of the group's results
+    one, _ = _forward(tr, [T[old:]], _T(t[j:j + 1]), n_tok, d, h, pf=1,
+                      init=first, i0=j)
+    _close(one[0], want)
+    part = reference.route([jnp.asarray(x) for x in srcs[:old]],
+                           jnp.asarray(t[j]), ones, num_heads=h, eps=EPS)
+    _close(first[0][j], part)

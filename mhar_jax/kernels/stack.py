@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mhar_jax.kernels.reference import _heads, _mix, inv_rms
+from mhar_jax.kernels.reference import _heads, inv_rms
 
 Apply = Callable[[int, Any, jax.Array, Any], jax.Array]
 
@@ -55,7 +55,8 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
                  queries: jax.Array, gains: jax.Array, consts: Any = None, *,
                  num_heads: int, eps: float = 1e-6,
                  impl: str | None = None,
-                 blocks: Sequence[int] | None = None) -> jax.Array:
+                 blocks: Sequence[int] | None = None,
+                 site_group: int = 0) -> jax.Array:
   """The output of the last routing site of a fully routed stack.
 
   Args:
@@ -76,6 +77,15 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
     blocks: ``n`` block indices, one per sublayer, non-decreasing from 0 in
       steps of 0 or 1 (e.g. ``layers.router.block_boundaries``): Block
       AttnRes / MHAR. ``None`` (or one block per sublayer) is the full method.
+    site_group: route consecutive sites in groups, two-phase (DESIGN.md §3):
+      one pass over the sources that exist when a group's first site is
+      reached serves every site of the group, and each later site of the
+      group then routes only the sources produced since, continuing that
+      result. ``0`` or ``1``: every site on its own. ``G >= 2``: the full
+      method in groups of G sites; blocked routing in groups of one block's
+      sites (they share the finished block sums). The same function as site
+      by site, up to rounding: the first phase's output is stored in the
+      sources' dtype.
 
   Returns:
     ``x_n`` ``[..., D]`` in ``h``'s dtype.
@@ -96,7 +106,10 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
     raise ValueError(
         f"routed_stack: blocks={blocks} must give one block index per"
         f" sublayer ({n}), starting at 0 and growing by 0 or 1.")
-  plan = _Plan(num_heads, float(eps), resolve_impl(impl), blocks=blocks)
+  if int(site_group) < 0:
+    raise ValueError(f"routed_stack: site_group={site_group} must be >= 0.")
+  plan = _Plan(num_heads, float(eps), resolve_impl(impl), blocks=blocks,
+               site_group=int(site_group))
   if plan.impl == "triton":
     from mhar_jax.kernels import triton_route
     mesh, axes = triton_route.sharding_plan(h)
@@ -111,6 +124,7 @@ class _Plan:
   eps: float
   impl: str                 # "reference" | "triton"
   blocks: tuple = ()        # block index of each sublayer; () = one each
+  site_group: int = 0       # see routed_stack
   mesh: Any = None          # triton: shard_map over this mesh's batch axes
   batch_axes: tuple = ()
   # Backward bookkeeping: whole-stack buffers (what the kernel reads) or
@@ -126,6 +140,17 @@ class _Plan:
     """:func:`block_ends` of ``blocks`` (one block per sublayer if empty)."""
     return block_ends(self.blocks or range(n))
 
+  def site_groups(self, n: int) -> list[tuple[int, int]]:
+    """The sites ``0 .. n`` as ``[start, stop)`` runs routed together."""
+    ends = self.block_ends(n)
+    if self.site_group < 2:
+      return [(j, j + 1) for j in range(n + 1)]
+    if all(ends):                           # full method: runs of G sites
+      g = self.site_group
+      return [(a, min(a + g, n + 1)) for a in range(0, n + 1, g)]
+    starts = [0] + [j + 1 for j in range(n) if ends[j]]   # block starts
+    return list(zip(starts, starts[1:] + [n + 1]))
+
 
 def block_ends(blocks: Sequence[int]) -> list[bool]:
   """Whether sublayer ``j`` is the last of its block, given each sublayer's
@@ -134,20 +159,44 @@ def block_ends(blocks: Sequence[int]) -> list[bool]:
           for j, b in enumerate(blocks)]
 
 
-def _site(sources, t_j, r, plan):
-  """Output ``[..., D]`` (sources' dtype) and log-sum-exp ``[..., H]`` of one
-  site; ``t_j [H, C]`` is query * gain, ``r [S, ...]`` the sources' inv-RMS."""
+def _cfg(sources, plan):
+  from mhar_jax.kernels import triton_route
+  return triton_route._make_cfg(sources[0].shape[-1], plan.num_heads,
+                                plan.eps, True, plan.mesh, plan.batch_axes)
+
+
+def _sites(sources, t, r, plan):
+  """G sites reading the same ``sources``: outputs ``[G, ..., D]`` (sources'
+  dtype) and log-sum-exps ``[G, ..., H]``; ``t [G, H, C]`` is each site's
+  query * gain, ``r`` the sources' inv-RMS."""
   if plan.impl == "triton":
     from mhar_jax.kernels import triton_route
-    cfg = triton_route._make_cfg(sources[0].shape[-1], plan.num_heads,
-                                 plan.eps, True, plan.mesh, plan.batch_axes)
-    return triton_route._fwd_impl(tuple(sources), t_j.reshape(-1), cfg)
-  st = jnp.stack(sources)
-  u = jnp.einsum("s...hc,hc->s...h", _heads(st, plan.num_heads), t_j)
-  logit = jnp.stack(r)[..., None] * u
-  lse = jax.nn.logsumexp(logit, axis=0)
-  w = jnp.exp(logit - lse)
-  return _mix(st, w, plan.num_heads).astype(st.dtype), lse
+    return triton_route._fwd_impl(tuple(sources), t.reshape(t.shape[0], -1),
+                                  _cfg(sources, plan))
+  st = _heads(jnp.stack(sources), plan.num_heads)        # [S, ..., H, C]
+  logit = jnp.stack(r)[..., None] * jnp.einsum("s...hc,ghc->gs...h", st, t)
+  lse = jax.nn.logsumexp(logit, axis=1)
+  w = jnp.exp(logit - lse[:, None])
+  out = jnp.einsum("gs...h,s...hc->g...hc", w, st)
+  return out.reshape(*out.shape[:-2], -1).astype(sources[0].dtype), lse
+
+
+def _continue(outs, lses, k, sources, t_j, r, plan):
+  """Site output and log-sum-exp over earlier sources, whose result is row
+  ``k`` of ``outs [R, ..., D]`` / ``lses [R, ..., H]``, followed by
+  ``sources`` (``t_j [H, C]``, ``r`` their inv-RMS)."""
+  if plan.impl == "triton":
+    from mhar_jax.kernels import triton_route
+    out, lse = triton_route._fwd_impl(tuple(sources), t_j.reshape(1, -1),
+                                      _cfg(sources, plan), init=(outs, lses, k))
+    return out[0], lse[0]
+  h = plan.num_heads
+  st = _heads(jnp.stack(sources), h)
+  logit = jnp.stack(r)[..., None] * jnp.einsum("s...hc,hc->s...h", st, t_j)
+  lse = jnp.logaddexp(lses[k], jax.nn.logsumexp(logit, axis=0))
+  out = (jnp.exp(lses[k] - lse)[..., None] * _heads(outs[k], h)
+         + jnp.einsum("s...h,s...hc->...hc", jnp.exp(logit - lse), st))
+  return out.reshape(outs.shape[1:]).astype(outs.dtype), lse
 
 
 def _forward(h, params, queries, gains, consts, apply, plan, save):
@@ -158,16 +207,35 @@ def _forward(h, params, queries, gains, consts, apply, plan, save):
   t = (queries.astype(jnp.float32) * gains.astype(jnp.float32)).reshape(
       queries.shape[0], plan.num_heads, -1)
   ends = plan.block_ends(len(params))
+  group_end = dict(plan.site_groups(len(params)))
   done, done_r = [h], [inv_rms(h, plan.eps)]
   partials, partial_r = [None] * len(params), [None] * len(params)
   xs, lses, vjps = [], [], []
   partial = None
+  group = None     # (first site, len(done) then, outputs, log-sum-exps)
+
+  def route_site(j):
+    """Site j's output and log-sum-exp (two-phase within its group)."""
+    nonlocal group
+    live, live_r = list(done), list(done_r)
+    if partial is not None:
+      live, live_r = live + [partial], live_r + [partial_r[j]]
+    if j in group_end:
+      if group_end[j] == j + 1:
+        group = None
+        out, lse = _sites(live, t[j:j + 1], live_r, plan)
+        return out[0], lse[0]
+      group = (j, len(live), *_sites(live, t[j:group_end[j]], live_r, plan))
+    a, n_old, outs, glse = group
+    if len(live) == n_old:           # the group's first site: phase 1 is all
+      return outs[j - a], glse[j - a]
+    return _continue(outs, glse, j - a, live[n_old:], t[j], live_r[n_old:],
+                     plan)
+
   for j, p in enumerate(params):
-    if partial is None:
-      x, lse = _site(done, t[j], done_r, plan)
-    else:
+    if partial is not None:
       partials[j], partial_r[j] = partial, inv_rms(partial, plan.eps)
-      x, lse = _site(done + [partial], t[j], done_r + [partial_r[j]], plan)
+    x, lse = route_site(j)
     if save:
       y, vjp = jax.vjp(lambda p, x, j=j: apply(j, p, x, consts), p, x)
       vjps.append(vjp)
@@ -184,7 +252,7 @@ def _forward(h, params, queries, gains, consts, apply, plan, save):
       done.append(partial)
       done_r.append(inv_rms(partial, plan.eps))
       partial = None
-  x, lse = _site(done, t[-1], done_r, plan)
+  x, lse = route_site(len(params))
   xs.append(x)
   lses.append(lse)
   return x, (done, done_r, partials, partial_r, xs, lses, vjps, t)

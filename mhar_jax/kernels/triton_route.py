@@ -48,7 +48,13 @@ sum ``l`` and an fp32 accumulator ``acc``. With more than ``CHUNK`` sources,
 place); the last launch writes ``out = acc / l`` in the sources' dtype and
 ``lse = m + log l`` (``[N, H]`` fp32). The only residual besides the inputs is
 ``lse``: the backward recomputes ``r``, ``u`` and the weights from the sources
-it has to read anyway.
+it has to read anyway. The same kernel routes G sites over the same sources
+in one launch (one query per site; the G programs of a token tile are
+adjacent in the grid, so they read its sources at about the same time and
+mostly from L2), and can start from a routed result ``(out, lse)`` over
+earlier sources instead of from nothing (the state ``m = lse, l = 1,
+acc = out``): together the two-phase routing of
+``stack.routed_stack(..., site_group=G)`` (DESIGN.md §3).
 
 *Backward.* With ``g = d out`` (viewed ``[N, H, C]``), ``dw_i = <g, s_i>`` per
 head and ``c = sum_i w_i dw_i`` ([N, H])::
@@ -273,35 +279,55 @@ def _fwd_kernel(
     # </gen:FWD_SRC_PARAMS>
     t_ptr, m_in, l_in, acc_in,
     i_out, i_lse, i_m, i_l, i_acc,
-    N,
+    N, I0,
     out_ptr, lse_ptr, m_out, l_out, acc_out,
-    NSRC: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
-    PF: tl.constexpr, PIN: tl.constexpr,
+    NSRC: tl.constexpr, INIT: tl.constexpr, LAST: tl.constexpr,
+    G: tl.constexpr, PF: tl.constexpr, PIN: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
     CA: tl.constexpr, CB: tl.constexpr, BN: tl.constexpr,
     EPS: tl.constexpr):
-  """Forward over NSRC sources for BN tokens (grid: cdiv(N, BN)).
+  """Forward over NSRC sources for BN tokens of G sites (grid: G * cdiv(N, BN),
+  the G sites of a token tile adjacent, so they read its sources together).
 
-  Inputs: ``s*`` ``[N, D]`` (sources' dtype), ``t_ptr`` ``[D]`` fp32; unless
-  FIRST, the carried state ``m_in``/``l_in`` ``[N, H]`` and ``acc_in``
-  ``[N, D]`` fp32. ``i_*`` are unused (poison buffers aliased to the outputs).
-  Outputs: LAST: ``out_ptr`` ``[N, D]`` = acc / l in the sources' dtype and
-  ``lse_ptr`` ``[N, H]`` = m + log l; else ``m_out``, ``l_out``, ``acc_out``.
-  Outputs a variant does not write are 1-element dummies.
+  Inputs: ``s*`` ``[N, D]`` (sources' dtype), ``t_ptr`` ``[G, D]`` fp32 (each
+  site's query * gain); the starting state of each site, by INIT: 0, none
+  (``m_in``, ``l_in``, ``acc_in`` unused); 1, carried ``m_in``/``l_in``
+  ``[G, N, H]`` and ``acc_in`` ``[G, N, D]`` fp32; 2, a routed result over
+  earlier sources, ``m_in`` = its log-sum-exp ``[R, N, H]`` and ``acc_in`` =
+  its output ``[R, N, D]`` (any dtype), site ``g`` starting from row
+  ``I0 + g`` (the state ``m = lse, l = 1, acc = out``). ``i_*`` are unused
+  (poison buffers aliased to the outputs).
+  Outputs: LAST: ``out_ptr`` ``[G, N, D]`` = acc / l in the sources' dtype
+  and ``lse_ptr`` ``[G, N, H]`` = m + log l; else ``m_out``, ``l_out``,
+  ``acc_out``. Outputs a variant does not write are 1-element dummies.
   """
   pid = tl.program_id(0)
+  site = pid % G
   cola, cmska, colb, cmskb = _cols(H, C, HP, CA, CB)
   base, offa, mska, offb, mskb, hbase, hoff, hmask = _rows(
-      pid, N, cola, cmska, colb, cmskb, D, H, HP, BN)
-  ta, tb = _load(t_ptr, 0, cola, cmska, colb, cmskb, CB)
-  if FIRST:
+      pid // G, N, cola, cmska, colb, cmskb, D, H, HP, BN)
+  gd = site.to(tl.int64) * N * D        # site offset in [G, N, D] arrays
+  gh = site.to(tl.int64) * N * H        # and in [G, N, H] arrays
+  if INIT == 2:
+    id_ = (site + I0).to(tl.int64) * N * D
+    ih = (site + I0).to(tl.int64) * N * H
+  else:
+    id_ = gd
+    ih = gh
+  ta, tb = _load(t_ptr + site * D, 0, cola, cmska, colb, cmskb, CB)
+  if INIT == 0:
     m = tl.full((BN, HP), float("-inf"), tl.float32)
     l = tl.zeros((BN, HP), tl.float32)
     acca, accb = _zeros(BN, HP, CA, CB)
   else:
-    m = tl.load(m_in + hbase + hoff, mask=hmask, other=0.0)
-    l = tl.load(l_in + hbase + hoff, mask=hmask, other=1.0)
-    acca, accb = _load(acc_in, base, offa, mska, offb, mskb, CB)
+    m = tl.load(m_in + ih + hbase + hoff, mask=hmask, other=0.0)
+    if INIT == 1:
+      l = tl.load(l_in + gh + hbase + hoff, mask=hmask, other=1.0)
+    else:
+      l = tl.full((BN, HP), 1.0, tl.float32)
+    acca, accb = _load(acc_in + id_, base, offa, mska, offb, mskb, CB)
+    acca = acca.to(tl.float32)
+    accb = accb.to(tl.float32)
   # <gen:FWD_STEPS>
   if PF > 0:
     if NSRC > 0:
@@ -528,12 +554,13 @@ def _fwd_kernel(
   # </gen:FWD_STEPS>
   if LAST:
     inv = 1.0 / l[:, :, None]
-    _store(out_ptr, base, offa, mska, offb, mskb, acca * inv, accb * inv, CB)
-    tl.store(lse_ptr + hbase + hoff, m + tl.log(l), mask=hmask)
+    _store(out_ptr + gd, base, offa, mska, offb, mskb, acca * inv, accb * inv,
+           CB)
+    tl.store(lse_ptr + gh + hbase + hoff, m + tl.log(l), mask=hmask)
   else:
-    tl.store(m_out + hbase + hoff, m, mask=hmask)
-    tl.store(l_out + hbase + hoff, l, mask=hmask)
-    _store(acc_out, base, offa, mska, offb, mskb, acca, accb, CB)
+    tl.store(m_out + gh + hbase + hoff, m, mask=hmask)
+    tl.store(l_out + gh + hbase + hoff, l, mask=hmask)
+    _store(acc_out + gd, base, offa, mska, offb, mskb, acca, accb, CB)
 
 
 @triton.jit
@@ -1259,38 +1286,49 @@ def _pad_slots(chunk):
   return list(chunk) + [chunk[0]] * (MAX_SOURCES_PER_LAUNCH - len(chunk))
 
 
-def _fwd_local(srcs, t, cfg: _Cfg):
-  """``srcs``: tuple of ``[N, D]``; ``t``: ``[D]`` fp32 -> ``(out, lse)``."""
+def _fwd_local(srcs, t, cfg: _Cfg, init=None):
+  """Routes ``srcs`` (tuple of ``[N, D]``) for G sites at once.
+
+  ``t``: ``[G, D]`` fp32, each site's query * gain. ``init``: None, or
+  ``(out, lse, i0)`` (``[R, N, D]``, ``[R, N, H]`` fp32, an int): site ``g``
+  continues the routed result in row ``i0 + g`` over earlier sources (the
+  result is as if those sources came first in ``srcs``). Returns
+  ``(out [G, N, D]`` in the sources' dtype, ``lse [G, N, H]`` fp32).
+  """
   n, d = srcs[0].shape
+  g = t.shape[0]
   h = cfg.h
   dtype = srcs[0].dtype
   f32 = jnp.float32
   bn = cfg.fwd_bn
-  grid = (triton.cdiv(n, bn),)
+  grid = (g * triton.cdiv(n, bn),)
   one = jax.ShapeDtypeStruct((1,), f32)
   chunks = _chunks(list(srcs), cfg.chunk)
-  m = l = acc = None
+  i0 = 0
+  if init is None:
+    state, mode = (t, t, t), 0
+  else:
+    state, mode, i0 = (init[1], t, init[0]), 2, int(init[2])
   for ci, ch in enumerate(chunks):
-    first, last = ci == 0, ci == len(chunks) - 1
-    state = (t, t, t) if first else (m, l, acc)
+    last = ci == len(chunks) - 1
     inputs = _pad_slots(ch) + [t, *state]
     shapes = [
-        jax.ShapeDtypeStruct((n, d), dtype) if last else one,
-        jax.ShapeDtypeStruct((n, h), f32) if last else one,
-        one if last else jax.ShapeDtypeStruct((n, h), f32),
-        one if last else jax.ShapeDtypeStruct((n, h), f32),
-        one if last else jax.ShapeDtypeStruct((n, d), f32),
+        jax.ShapeDtypeStruct((g, n, d), dtype) if last else one,
+        jax.ShapeDtypeStruct((g, n, h), f32) if last else one,
+        one if last else jax.ShapeDtypeStruct((g, n, h), f32),
+        one if last else jax.ShapeDtypeStruct((g, n, h), f32),
+        one if last else jax.ShapeDtypeStruct((g, n, d), f32),
     ]
     k = MAX_SOURCES_PER_LAUNCH
-    carry = {} if (first or last) else {2: k + 1, 3: k + 2, 4: k + 3}
-    res = _launch(_fwd_kernel, inputs, [n], shapes, grid=grid,
+    carry = {2: k + 1, 3: k + 2, 4: k + 3} if mode == 1 and not last else {}
+    res = _launch(_fwd_kernel, inputs, [n, i0], shapes, grid=grid,
                   num_warps=cfg.fwd_warps, carry=carry, poison=cfg.poison,
-                  dummy=t, NSRC=len(ch), FIRST=first, LAST=last,
+                  dummy=t, NSRC=len(ch), INIT=mode, LAST=last, G=g,
                   PF=cfg.fwd_pf, PIN=cfg.pin,
                   **cfg.meta(bn))
     if last:
       return res[0], res[1]
-    m, l, acc = res[2], res[3], res[4]
+    state, mode = (res[2], res[3], res[4]), 1
   raise AssertionError("unreachable")
 
 
@@ -1361,19 +1399,33 @@ def _flat(x):
   return x.reshape(-1, x.shape[-1])
 
 
-def _fwd_impl(srcs, t, cfg):
-  """Sharded forward: ``srcs [..., D]`` -> ``(out [..., D], lse [..., H])``."""
+def _fwd_impl(srcs, t, cfg, init=None):
+  """Sharded forward of G sites: ``srcs [..., D]``, ``t [G, D]`` ->
+  ``(out [G, ..., D], lse [G, ..., H])``; ``init``: None or
+  ``(out [R, ..., D], lse [R, ..., H], i0)``, earlier results to continue
+  (see :func:`_fwd_local`)."""
   lead = srcs[0].shape[:-1]
+  g = t.shape[0]
+  i0 = None if init is None else int(init[2])
 
-  def local(srcs, t):
+  def local(srcs, t, *init):
     loc_lead = srcs[0].shape[:-1]
-    out, lse = _fwd_local(tuple(_flat(s) for s in srcs), t, cfg)
-    return (out.reshape(*loc_lead, cfg.d), lse.reshape(*loc_lead, cfg.h))
+    if init:
+      r = init[0].shape[0]
+      init = (init[0].reshape(r, -1, cfg.d), init[1].reshape(r, -1, cfg.h),
+              i0)
+    out, lse = _fwd_local(tuple(_flat(s) for s in srcs), t, cfg,
+                          init or None)
+    return (out.reshape(g, *loc_lead, cfg.d),
+            lse.reshape(g, *loc_lead, cfg.h))
 
   from jax.sharding import PartitionSpec as P
   spec = _tok_spec(cfg, len(lead) + 1)
-  return _shard(cfg, local, (tuple(spec for _ in srcs), P()),
-                (spec, spec))(tuple(srcs), t)
+  gspec = P(None, *spec)                  # [G, tokens..., last]
+  init = () if init is None else tuple(init[:2])
+  return _shard(cfg, local,
+                (tuple(spec for _ in srcs), P(), *(gspec for _ in init)),
+                (gspec, gspec))(tuple(srcs), t, *init)
 
 
 def _bwd_impl(srcs, g, t, lse, out, cfg):
@@ -1413,11 +1465,11 @@ def _t(query, norm_scale):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _route(srcs, query, norm_scale, cfg):
-  return _fwd_impl(srcs, _t(query, norm_scale), cfg)[0]
+  return _fwd_impl(srcs, _t(query, norm_scale)[None], cfg)[0][0]
 
 
 def _route_fwd(srcs, query, norm_scale, cfg):
-  out, lse = _fwd_impl(srcs, _t(query, norm_scale), cfg)
+  out, lse = (x[0] for x in _fwd_impl(srcs, _t(query, norm_scale)[None], cfg))
   return out, (srcs, query, norm_scale, lse,
                None if cfg.exact_bwd else out)
 

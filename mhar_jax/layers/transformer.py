@@ -77,6 +77,10 @@ class TransformerConfig:
   attention_impl: str | None = None
   routing_impl: str = "auto"
   routing_backward: str = "auto"   # "auto" | "site" | "source" (attnres / mhar)
+  # Source-major stacks: route sites two-phase in groups (routed_stack's
+  # site_group: 0 each site alone; G >= 2 groups of G sites, by block when
+  # blocked). Same function up to rounding; an implementation choice.
+  routing_site_group: int = 0
   remat: bool = False
 
   def __post_init__(self):
@@ -119,6 +123,15 @@ class TransformerConfig:
         "attnres", "mhar"):
       bad("routing_backward", "'source' is for AttnRes / MHAR (full or"
           f" block); got model.residual={self.residual!r}.")
+    if (not isinstance(self.routing_site_group, int)
+        or self.routing_site_group < 0):
+      bad("routing_site_group", "must be an integer >= 0 (0: every site on"
+          " its own).")
+    if self.routing_site_group and not self.source_major_backward:
+      bad("routing_site_group", "groups sites of the source-major stack"
+          " (AttnRes / MHAR with routing_backward 'auto' or 'source');"
+          f" got model.residual={self.residual!r},"
+          f" routing_backward={self.routing_backward!r}.")
 
   @property
   def source_major_backward(self) -> bool:
@@ -318,7 +331,8 @@ class Transformer(nnx.Module):
     return routed_stack(h, states, apply, queries, gains, positions,
                         num_heads=self.cfg.heads_per_site,
                         eps=self.cfg.norm_eps, impl=self.cfg.routing_impl,
-                        blocks=self.cfg.blocks)
+                        blocks=self.cfg.blocks,
+                        site_group=self.cfg.routing_site_group)
 
   def _delta(self, h, subs, call, positions, routing, record):
     """The delta form: the ordinary stream plus ``gate * route([null, deltas])``."""
