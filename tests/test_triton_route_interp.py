@@ -191,3 +191,40 @@ def test_forward_sites_and_continuation(tr, n_tok, d, h, sites, old, new):
     part = reference.route([jnp.asarray(x) for x in srcs[:old]],
                            jnp.asarray(t[j]), ones, num_heads=h, eps=EPS)
     _close(first[0][j], part)
+
+
+def test_sharded_two_phase_plumbing(tr, monkeypatch):
+  """``_fwd_impl`` under a (data=4, model=2) mesh of CPU devices, for G sites
+  continuing rows of an earlier result: the shard_map specs, reshapes and
+  row offset, with ``_fwd_local`` replaced by the jnp two-phase routing
+  (kernels.stack) that the kernels compute."""
+  from mhar_jax.kernels import stack
+  from mhar_jax.parallel import make_mesh
+  h, d = 2, 16
+  plan = stack._Plan(h, EPS, "reference")
+
+  def local(srcs, t, cfg, init=None):
+    tg = t.reshape(t.shape[0], h, -1)
+    r = [reference.inv_rms(s, EPS) for s in srcs]
+    if init is None:
+      return stack._sites(list(srcs), tg, r, plan)
+    outs, lses, i0 = init
+    res = [stack._continue(outs, lses, i0 + g, list(srcs), tg[g], r, plan)
+           for g in range(tg.shape[0])]
+    return jnp.stack([o for o, _ in res]), jnp.stack([l for _, l in res])
+
+  monkeypatch.setattr(tr, "_fwd_local", local)
+  mesh = make_mesh(4, 2, jax.devices()[:8])
+  rng = np.random.default_rng(3)
+  srcs = [jnp.asarray(rng.normal(size=(8, 3, d)), jnp.float32)
+          for _ in range(5)]
+  t = jnp.asarray(rng.normal(size=(3, d)), jnp.float32)
+  cfg = tr._make_cfg(d, h, EPS, True, mesh, ("data",))
+  first = jax.jit(lambda s, t: tr._fwd_impl(s, t, cfg))(srcs[:3], t)
+  assert first[0].shape == (3, 8, 3, d) and first[1].shape == (3, 8, 3, h)
+  out, lse = jax.jit(lambda s, t, f: tr._fwd_impl(s, t, cfg, init=(*f, 1)))(
+      srcs[3:], t[1:], first)
+  assert out.shape == (2, 8, 3, d) and lse.shape == (2, 8, 3, h)
+  for g in (1, 2):
+    want = reference.route(srcs, t[g], jnp.ones((d,)), num_heads=h, eps=EPS)
+    _close(np.asarray(out[g - 1]), want)
