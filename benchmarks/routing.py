@@ -21,11 +21,18 @@ Byte counts, with E = N * D * itemsize, L = ceil(S / CHUNK) launches:
 * kernel fwd+bwd, exact: forward + (3S + 2) E (two reads of the sources and
   of dout, S writes); fast (``exact_bwd=False``): forward + (2S + 3) E.
 
+With ``--sites G`` it also times the forward of G sites over the same S
+sources (two-phase routing's first phase, ``stack.routed_stack(...,
+site_group=G)``): G separate launches against one launch of G sites, whose
+programs for a token tile run side by side so their loads can hit L2. The
+unique bytes are (S + G) E; the G launches read the sources G times.
+
 Usage (on the device machine, after ``source benchmarks/gpu_env.sh``)::
 
     python3 benchmarks/routing.py                 # default sizes, table last
     python3 benchmarks/routing.py --sweep         # sweep configs, keep best
     python3 benchmarks/routing.py --json $OUT/routing.json
+    python3 benchmarks/routing.py --sizes 32768x37 --sites 8 --no-ref
 """
 
 from __future__ import annotations
@@ -190,6 +197,37 @@ def bench_size(tr, n, s, d, h, dtype, copy_gbs, *, with_ref=True,
   return rows
 
 
+def bench_sites(tr, n, s, d, h, dtype, sites, copy_gbs):
+  """G sites over the same S sources: G launches vs one G-site launch."""
+  srcs, _, _, _ = make_inputs(n, s, d, dtype, seed=n + s + sites)
+  t = jax.random.normal(jax.random.PRNGKey(s), (sites, d)) * 0.3
+  cfg = tr._make_cfg(d, h, 1e-6, True, None, ())
+  e = n * d * jnp.dtype(dtype).itemsize
+  sep = jax.jit(lambda srcs, t: [tr._fwd_impl(srcs, t[k:k + 1], cfg)
+                                 for k in range(sites)])
+  grp = jax.jit(lambda srcs, t: tr._fwd_impl(srcs, t, cfg))
+  a = sep(srcs, t)
+  b = grp(srcs, t)
+  err = max(float(jnp.max(jnp.abs(a[k][0][0].astype(jnp.float32)
+                                  - b[0][k].astype(jnp.float32))))
+            for k in range(sites))
+  rows = []
+  for name, fn in (("separate", sep), ("grouped", grp)):
+    ms, first, spread = _median_ms(fn, (srcs, t))
+    unique = (s + sites) * e
+    rows.append(dict(N=n, S=s, D=d, H=h, G=sites, what=f"sites-{name}",
+                     ms=ms, compile_s=first, ms_min=spread[0],
+                     ms_max=spread[1], unique_bytes=unique,
+                     pct_copy_unique=100 * unique / (ms * 1e-3) / 1e9
+                     / copy_gbs, max_abs_diff=err))
+    print(f"  {sites} sites {name:8s} N={n} S={s}: {ms:8.3f} ms (compile+"
+          f"first {first:5.1f} s); unique bytes at "
+          f"{rows[-1]['pct_copy_unique']:5.1f}% copy", flush=True)
+  print(f"  grouped / separate: {rows[1]['ms'] / rows[0]['ms']:.3f};"
+        f" max |grouped - separate| = {err:.3g}", flush=True)
+  return rows
+
+
 def _time_config(tr, what, over, srcs, q, g, dy, h, e, n, d, s, copy_gbs):
   tr.TUNING.update(over)
   try:
@@ -282,6 +320,8 @@ def main():
   p.add_argument("--chunk", type=int, default=None)
   p.add_argument("--json", default=None)
   p.add_argument("--copy-mib", type=int, default=2048)
+  p.add_argument("--sites", type=int, default=0,
+                 help="also time G sites over the same sources (see above)")
   args = p.parse_args()
 
   from mhar_jax.kernels import triton_route as tr
@@ -329,6 +369,9 @@ def main():
                                    with_fast=not args.no_fast)
     except Exception as ex:  # noqa: BLE001
       print(f"  ERROR {ex!r}"[:500], flush=True)
+    if args.sites:
+      result.setdefault("sites", []).extend(
+          bench_sites(tr, n, s, args.d, args.h, dtype, args.sites, copy_gbs))
   if args.json:
     with open(args.json, "w") as f:
       json.dump(result, f, indent=1)
