@@ -78,6 +78,13 @@ def site_loop(h, ps, queries, gains, *, blocks, heads, impl):
                        impl=impl)
 
 
+def source_stack(h, ps, queries, gains, *, heads, impl, blocks=None,
+                 site_group=0):
+  """The same routing as one ``routed_stack`` (source-major backward)."""
+  return routed_stack(h, ps, _scale, queries, gains, None, num_heads=heads,
+                      impl=impl, blocks=blocks, site_group=site_group)
+
+
 def prenorm(h, ps, queries, gains):
   del queries, gains
   x = h
@@ -143,32 +150,24 @@ def run_shape(name, impls, heads, seed=0, only=None, site_group=0):
   full, block8 = list(range(n)), block_boundaries(n, 8)
   variants = [("prenorm", "-", prenorm, None)]
   for impl in impls:
+    src = functools.partial(source_stack, heads=heads, impl=impl)
     variants += [
         ("full/site", impl, functools.partial(site_loop, blocks=full,
                                               heads=heads, impl=impl), full),
-        ("full/source", impl, functools.partial(
-            lambda h, ps, q, g, impl: routed_stack(
-                h, ps, _scale, q, g, None, num_heads=heads, impl=impl),
-            impl=impl), full),
+        ("full/source", impl, src, full),
         ("block8/site", impl, functools.partial(site_loop, blocks=block8,
                                                 heads=heads, impl=impl),
          block8),
-        ("block8/source", impl, functools.partial(
-            lambda h, ps, q, g, impl: routed_stack(
-                h, ps, _scale, q, g, None, num_heads=heads, impl=impl,
-                blocks=block8),
-            impl=impl), block8),
+        ("block8/source", impl, functools.partial(src, blocks=block8),
+         block8),
     ]
     if site_group:
       variants += [
-          (f"full/source-g{site_group}", impl, functools.partial(
-              lambda h, ps, q, g, impl: routed_stack(
-                  h, ps, _scale, q, g, None, num_heads=heads, impl=impl,
-                  site_group=site_group), impl=impl), full),
-          ("block8/source-g", impl, functools.partial(
-              lambda h, ps, q, g, impl: routed_stack(
-                  h, ps, _scale, q, g, None, num_heads=heads, impl=impl,
-                  blocks=block8, site_group=site_group), impl=impl), block8),
+          (f"full/source-g{site_group}", impl,
+           functools.partial(src, site_group=site_group), full),
+          ("block8/source-g", impl,
+           functools.partial(src, blocks=block8, site_group=site_group),
+           block8),
       ]
   rows = []
   for label, impl, f, blocks in variants:

@@ -104,9 +104,6 @@ def test_kernels_match_reference(tr, n_tok, d, h, nsrc, split, pf):
   tt = _T(t)
   dummy = torch.zeros(1)
 
-  def slots(xs):
-    return _slots(tr, xs)
-
   # forward: sources [0, split) then [split, nsrc), carrying (m, l, acc)
   launches = [T[:split], T[split:]] if split else [T]
   out, lse = (x[0] for x in _forward(tr, launches, tt[None], n_tok, d, h, pf))
@@ -132,7 +129,7 @@ def test_kernels_match_reference(tr, n_tok, d, h, nsrc, split, pf):
   for li, ch in enumerate(launches):
     first = li == 0
     c_new = c if not first else _nan(n_tok, h)
-    tr._cpass_kernel[grid](*slots(ch), gT, tt, lse, tt if first else c,
+    tr._cpass_kernel[grid](*_slots(tr, ch), gT, tt, lse, tt if first else c,
                            dummy, n_tok, c_new, NSRC=len(ch), FIRST=first,
                            PF=pf, PIN=False, BN=bn, **meta)
     c = c_new
@@ -143,8 +140,8 @@ def test_kernels_match_reference(tr, n_tok, d, h, nsrc, split, pf):
   progs = min(ntiles, 3)           # persistent programs looping over tiles
   ds = [_nan(n_tok, d) for _ in range(nsrc)]
   dt = _nan(progs, d)
-  tr._bwd_kernel[(progs,)](*slots(T), gT, tt, lse, c, *([dummy] * k), dummy,
-                           n_tok, ntiles, *slots(ds), dt, NSRC=nsrc, PF=pf,
+  tr._bwd_kernel[(progs,)](*_slots(tr, T), gT, tt, lse, c, *([dummy] * k),
+                           dummy, n_tok, ntiles, *_slots(tr, ds), dt, NSRC=nsrc, PF=pf,
                            BN=bn, **meta)
   ds_ref, dquery_ref = vjp(jnp.asarray(g))
   for got, want in zip(ds, ds_ref):

@@ -6,7 +6,6 @@ indexing and math against ``stack.source_grad``; the GPU build and its speed
 are checked on the device (benchmarks/).
 """
 
-
 import numpy as np
 import pytest
 

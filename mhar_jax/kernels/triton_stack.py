@@ -19,7 +19,8 @@ Bytes per source: ``s_i`` once, each ``dx_j`` once, ``ds_i`` once.
 
 Tiles follow :mod:`mhar_jax.kernels.triton_route`: a program owns ``BN`` whole
 tokens, each row viewed as two power-of-two parts per head, ``[HP, CA]`` and
-``[HP, CB]`` (``triton_route.head_parts``; 160 channels = 128 + 32). Checked against the reference with Triton's interpreter on CPU
+``[HP, CB]`` (``triton_route.head_parts``; 160 channels = 128 + 32). Checked
+against the reference with Triton's interpreter on CPU
 (tests/test_triton_stack.py) and built on the GPU (tests/test_stack_gpu.py).
 """
 
