@@ -141,7 +141,7 @@ def rel(a, b):
 
 
 def bench_size(tr, n, s, d, h, dtype, copy_gbs, *, with_ref=True,
-               with_fast=True, check=True):
+               with_fast=True, check=True, with_r=False):
   srcs, q, g, dy = make_inputs(n, s, d, dtype, seed=n + s)
   e = n * d * jnp.dtype(dtype).itemsize
   chunks = math.ceil(s / tr.CHUNK)
@@ -174,6 +174,17 @@ def bench_size(tr, n, s, d, h, dtype, copy_gbs, *, with_ref=True,
   tf, tfb = fns(lambda *a, **k: tr.route(*a, **k), h)
   ms, first, sp = _median_ms(tf, (srcs, q, g))
   row("triton", "fwd", ms, first, sp, b["k_fwd"], b["min_fwd"])
+  if with_r:   # the stack's forward: each source's inverse RMS given
+    cfg = tr._make_cfg(d, h, 1e-6, True, None, ())
+    rs = [reference.inv_rms(x, 1e-6) for x in srcs]
+    fr = jax.jit(lambda srcs, rs, q, g: tr._fwd_impl(
+        srcs, tr._t(q, g)[None], cfg, rs=rs)[0][0])
+    ms, first, sp = _median_ms(fr, (srcs, rs, q, g))
+    diff = float(jnp.max(jnp.abs(fr(srcs, rs, q, g).astype(jnp.float32)
+                                 - tf(srcs, q, g).astype(jnp.float32))))
+    row("triton-r", "fwd", ms, first, sp, b["k_fwd"] + s * n * 4,
+        b["min_fwd"])
+    print(f"  triton-r vs triton: max |diff| {diff:.3g}", flush=True)
   ms, first, sp = _median_ms(tfb, (srcs, q, g, dy))
   row("triton", "fwd+bwd", ms, first, sp, b["k_fb"], b["min_fb"])
   if with_fast:
@@ -315,6 +326,9 @@ def main():
   p.add_argument("--pin-compare", default=None,
                  help="NxS: time fwd and fwd+bwd with PIN_ACCUMULATORS off/on")
   p.add_argument("--no-fast", action="store_true")
+  p.add_argument("--given-r", action="store_true",
+                 help="also time the forward reading each source's inverse "
+                 "RMS (as routed_stack calls it) instead of computing it")
   p.add_argument("--tuning", default=None,
                  help="JSON dict merged into triton_route.TUNING")
   p.add_argument("--chunk", type=int, default=None)
@@ -366,7 +380,8 @@ def main():
     try:
       result["rows"] += bench_size(tr, n, s, args.d, args.h, dtype, copy_gbs,
                                    with_ref=not args.no_ref,
-                                   with_fast=not args.no_fast)
+                                   with_fast=not args.no_fast,
+                                   with_r=args.given_r)
     except Exception as ex:  # noqa: BLE001
       print(f"  ERROR {ex!r}"[:500], flush=True)
     if args.sites:

@@ -54,11 +54,13 @@ def _slots(tr, xs):
   return list(xs) + [xs[0]] * (tr.MAX_SOURCES_PER_LAUNCH - len(xs))
 
 
-def _forward(tr, launches, t, n_tok, d, h, pf, init=None, i0=0):
+def _forward(tr, launches, t, n_tok, d, h, pf, init=None, i0=0,
+             given_r=False):
   """Runs the forward kernel for the G sites of ``t`` (``[G, D]``) over the
   source lists ``launches`` (the first continuing rows ``i0 ..`` of
-  ``init = (out, lse)`` when given, the others carrying (m, l, acc));
-  returns ``(out, lse)``."""
+  ``init = (out, lse)`` when given, the others carrying (m, l, acc); with
+  ``given_r`` each source's inverse RMS is passed in); returns
+  ``(out, lse)``."""
   g = t.shape[0]
   meta = dict(tr.tile_meta(d, h), EPS=EPS)
   bn = tr._tokens_per_program(tr.tile_width(d, h), 16, 4)
@@ -73,8 +75,11 @@ def _forward(tr, launches, t, n_tok, d, h, pf, init=None, i0=0):
     outs = ((out, lse, dummy, dummy, dummy) if last else
             (dummy, dummy, _nan(g, n_tok, h), _nan(g, n_tok, h),
              _nan(g, n_tok, d)))
-    tr._fwd_kernel[grid](*_slots(tr, ch), t, *state, *([dummy] * 5), n_tok,
-                         i0, *outs, NSRC=len(ch), INIT=mode, LAST=last, G=g,
+    rs = ([_T(reference.inv_rms(jnp.asarray(x.numpy()), EPS)) for x in ch]
+          if given_r else ch)
+    tr._fwd_kernel[grid](*_slots(tr, ch), *_slots(tr, rs), t, *state,
+                         *([dummy] * 5), n_tok, i0, *outs, NSRC=len(ch),
+                         INIT=mode, LAST=last, HAS_R=given_r, G=g,
                          PF=pf, PIN=False, BN=bn, **meta)
     state, mode = outs[2:], 1
   return out, lse
@@ -118,6 +123,11 @@ def test_kernels_match_reference(tr, n_tok, d, h, nsrc, split, pf):
                          jnp.asarray(t).reshape(h, -1)))
   lse_ref = jax.nn.logsumexp(logits, axis=0)
   _close(lse, lse_ref)
+  # the same with each source's inverse RMS passed in (routed_stack's call)
+  out_r, lse_r = (x[0] for x in _forward(tr, launches, tt[None], n_tok, d, h,
+                                         pf, given_r=True))
+  _close(out_r, out_ref)
+  _close(lse_r, lse_ref)
 
   # backward pass 1: c = sum_i w_i <g, s_i>_h, chained over the same launches
   w = jnp.exp(logits - lse_ref)
@@ -175,7 +185,8 @@ def test_forward_sites_and_continuation(tr, n_tok, d, h, sites, old, new):
   k = tr.MAX_SOURCES_PER_LAUNCH
   first = _forward(tr, [T[i:min(i + k, old)] for i in range(0, old, k)],
                    _T(t), n_tok, d, h, pf=2)
-  out, lse = _forward(tr, [T[old:]], _T(t), n_tok, d, h, pf=1, init=first)
+  out, lse = _forward(tr, [T[old:]], _T(t), n_tok, d, h, pf=1, init=first,
+                      given_r=True)
   ones = jnp.ones((d,))
   for j in range(sites):
     want = reference.route([jnp.asarray(x) for x in srcs], jnp.asarray(t[j]),
@@ -200,9 +211,12 @@ def test_sharded_two_phase_plumbing(tr, monkeypatch):
   h, d = 2, 16
   plan = stack._Plan(h, EPS, "reference")
 
-  def local(srcs, t, cfg, init=None):
+  def local(srcs, t, cfg, init=None, rs=None):
     tg = t.reshape(t.shape[0], h, -1)
     r = [reference.inv_rms(s, EPS) for s in srcs]
+    if rs is not None:      # the continuation below passes them in
+      assert [x.shape for x in rs] == [x.shape for x in r]
+      r = list(rs)
     if init is None:
       return stack._sites(list(srcs), tg, r, plan)
     outs, lses, i0 = init
@@ -219,8 +233,9 @@ def test_sharded_two_phase_plumbing(tr, monkeypatch):
   cfg = tr._make_cfg(d, h, EPS, True, mesh, ("data",))
   first = jax.jit(lambda s, t: tr._fwd_impl(s, t, cfg))(srcs[:3], t)
   assert first[0].shape == (3, 8, 3, d) and first[1].shape == (3, 8, 3, h)
-  out, lse = jax.jit(lambda s, t, f: tr._fwd_impl(s, t, cfg, init=(*f, 1)))(
-      srcs[3:], t[1:], first)
+  rs = [reference.inv_rms(s, EPS) for s in srcs[3:]]
+  out, lse = jax.jit(lambda s, t, f, rs: tr._fwd_impl(
+      s, t, cfg, init=(*f, 1), rs=rs))(srcs[3:], t[1:], first, rs)
   assert out.shape == (2, 8, 3, d) and lse.shape == (2, 8, 3, h)
   for g in (1, 2):
     want = reference.route(srcs, t[g], jnp.ones((d,)), num_heads=h, eps=EPS)

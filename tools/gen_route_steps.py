@@ -35,25 +35,31 @@ def _load(k: int) -> str:
   return f"x{k}a, x{k}b = _load(s{k}, base, offa, mska, offb, mskb, CB)"
 
 
-def _steps(step) -> str:
+def _fwd_load(k: int) -> str:
+  """The forward also loads source k's inverse RMS when it is given."""
+  return _load(k) + f"\nr{k}v = _load_r(r{k}, rrow, rmask, HAS_R)"
+
+
+def _steps(step, load=_load) -> str:
   """The unrolled loop: loads ``0 .. PF-1`` up front, then per source ``k``
   the load of ``k + PF`` followed by ``step(k)``."""
   out = []
+  ind = lambda text, n: textwrap.indent(text, " " * n)  # noqa: E731
   for p in range(MAX_PF):
-    out += [f"if PF > {p}:", f"  if NSRC > {p}:", f"    {_load(p)}"]
+    out += [f"if PF > {p}:", f"  if NSRC > {p}:", ind(load(p), 4)]
   for k in range(K):
     out.append(f"if NSRC > {k}:")
     for pf in range(1, MAX_PF + 1):
       if k + pf < K:
         out += [f"  if PF == {pf}:", f"    if NSRC > {k + pf}:",
-                f"      {_load(k + pf)}"]
+                ind(load(k + pf), 6)]
     out += ["  " + line for line in step(k).splitlines()]
   return "\n".join(out)
 
 
 def _fwd(k: int) -> str:
-  return (f"m, l, acca, accb = _fwd_step(x{k}a, x{k}b, ta, tb, m, l, acca,\n"
-          f"                             accb, D, EPS, PIN, CB)")
+  return (f"m, l, acca, accb = _fwd_step(x{k}a, x{k}b, r{k}v, ta, tb, m, l,\n"
+          f"                             acca, accb, D, EPS, PIN, CB, HAS_R)")
 
 
 def _cpass(k: int) -> str:
@@ -68,12 +74,12 @@ def _bwd(k: int) -> str:
 
 
 BLOCKS = {
-    "FWD_SRC_PARAMS": (4, lambda: _names("s")),
+    "FWD_SRC_PARAMS": (4, lambda: _names("s") + "\n" + _names("r")),
     "CPASS_SRC_PARAMS": (4, lambda: _names("s")),
     "BWD_SRC_PARAMS": (4, lambda: _names("s")),
     "BWD_INIT_PARAMS": (4, lambda: _names("i")),
     "BWD_OUT_PARAMS": (4, lambda: _names("ds")),
-    "FWD_STEPS": (2, lambda: _steps(_fwd)),
+    "FWD_STEPS": (2, lambda: _steps(_fwd, _fwd_load)),
     "CPASS_STEPS": (2, lambda: _steps(_cpass)),
     "BWD_STEPS": (4, lambda: _steps(_bwd)),
 }

@@ -172,7 +172,7 @@ def _sites(sources, t, r, plan):
   if plan.impl == "triton":
     from mhar_jax.kernels import triton_route
     return triton_route._fwd_impl(tuple(sources), t.reshape(t.shape[0], -1),
-                                  _cfg(sources, plan))
+                                  _cfg(sources, plan), rs=tuple(r))
   st = _heads(jnp.stack(sources), plan.num_heads)        # [S, ..., H, C]
   logit = jnp.stack(r)[..., None] * jnp.einsum("s...hc,ghc->gs...h", st, t)
   lse = jax.nn.logsumexp(logit, axis=1)
@@ -188,7 +188,8 @@ def _continue(outs, lses, k, sources, t_j, r, plan):
   if plan.impl == "triton":
     from mhar_jax.kernels import triton_route
     out, lse = triton_route._fwd_impl(tuple(sources), t_j.reshape(1, -1),
-                                      _cfg(sources, plan), init=(outs, lses, k))
+                                      _cfg(sources, plan), init=(outs, lses, k),
+                                      rs=tuple(r))
     return out[0], lse[0]
   h = plan.num_heads
   st = _heads(jnp.stack(sources), h)

@@ -257,10 +257,28 @@ def _pin(x, PIN: tl.constexpr):
 
 
 @triton.jit
-def _fwd_step(xa, xb, ta, tb, m, l, acca, accb, D: tl.constexpr,
-              EPS: tl.constexpr, PIN: tl.constexpr, CB: tl.constexpr):
-  """One source of the online softmax: updates ``(m, l, acca, accb)``."""
-  xa, xb, r, u, logit = _logits(xa, xb, ta, tb, D, EPS, CB)
+def _load_r(r_ptr, rrow, rmask, HAS_R: tl.constexpr):
+  """A source's inverse RMS ``[BN]`` fp32 when given (else a dummy)."""
+  if HAS_R:
+    r = tl.load(r_ptr + rrow, mask=rmask, other=1.0)
+  else:
+    r = rrow
+  return r
+
+
+@triton.jit
+def _fwd_step(xa, xb, r, ta, tb, m, l, acca, accb, D: tl.constexpr,
+              EPS: tl.constexpr, PIN: tl.constexpr, CB: tl.constexpr,
+              HAS_R: tl.constexpr):
+  """One source of the online softmax: updates ``(m, l, acca, accb)``. With
+  HAS_R the source's inverse RMS is ``r`` ``[BN]`` (no cross-warp sum of
+  squares); else it is computed from the tile."""
+  if HAS_R:
+    xa = xa.to(tl.float32)
+    xb = xb.to(tl.float32)
+    logit = r[:, None] * _hsum(xa * ta[None, :, :], xb * tb[None, :, :], CB)
+  else:
+    xa, xb, _, _, logit = _logits(xa, xb, ta, tb, D, EPS, CB)
   m_new = tl.maximum(m, logit)
   alpha = tl.exp(m - m_new)
   p = tl.exp(logit - m_new)
@@ -276,21 +294,25 @@ def _fwd_kernel(
     # <gen:FWD_SRC_PARAMS>
     s0, s1, s2, s3, s4, s5, s6, s7,
     s8, s9, s10, s11, s12, s13, s14, s15,
+    r0, r1, r2, r3, r4, r5, r6, r7,
+    r8, r9, r10, r11, r12, r13, r14, r15,
     # </gen:FWD_SRC_PARAMS>
     t_ptr, m_in, l_in, acc_in,
     i_out, i_lse, i_m, i_l, i_acc,
     N, I0,
     out_ptr, lse_ptr, m_out, l_out, acc_out,
     NSRC: tl.constexpr, INIT: tl.constexpr, LAST: tl.constexpr,
-    G: tl.constexpr, PF: tl.constexpr, PIN: tl.constexpr,
+    HAS_R: tl.constexpr, G: tl.constexpr, PF: tl.constexpr,
+    PIN: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
     CA: tl.constexpr, CB: tl.constexpr, BN: tl.constexpr,
     EPS: tl.constexpr):
   """Forward over NSRC sources for BN tokens of G sites (grid: G * cdiv(N, BN),
   the G sites of a token tile adjacent, so they read its sources together).
 
-  Inputs: ``s*`` ``[N, D]`` (sources' dtype), ``t_ptr`` ``[G, D]`` fp32 (each
-  site's query * gain); the starting state of each site, by INIT: 0, none
+  Inputs: ``s*`` ``[N, D]`` (sources' dtype); with HAS_R ``r*`` ``[N]`` fp32,
+  their inverse RMS (else unused and computed in the kernel); ``t_ptr``
+  ``[G, D]`` fp32 (each site's query * gain); the starting state of each site, by INIT: 0, none
   (``m_in``, ``l_in``, ``acc_in`` unused); 1, carried ``m_in``/``l_in``
   ``[G, N, H]`` and ``acc_in`` ``[G, N, D]`` fp32; 2, a routed result over
   earlier sources, ``m_in`` = its log-sum-exp ``[R, N, H]`` and ``acc_in`` =
@@ -306,6 +328,8 @@ def _fwd_kernel(
   cola, cmska, colb, cmskb = _cols(H, C, HP, CA, CB)
   base, offa, mska, offb, mskb, hbase, hoff, hmask = _rows(
       pid // G, N, cola, cmska, colb, cmskb, D, H, HP, BN)
+  rrow = (pid // G) * BN + tl.arange(0, BN)
+  rmask = rrow < N
   gd = site.to(tl.int64) * N * D        # site offset in [G, N, D] arrays
   gh = site.to(tl.int64) * N * H        # and in [G, N, H] arrays
   if INIT == 2:
@@ -332,225 +356,283 @@ def _fwd_kernel(
   if PF > 0:
     if NSRC > 0:
       x0a, x0b = _load(s0, base, offa, mska, offb, mskb, CB)
+      r0v = _load_r(r0, rrow, rmask, HAS_R)
   if PF > 1:
     if NSRC > 1:
       x1a, x1b = _load(s1, base, offa, mska, offb, mskb, CB)
+      r1v = _load_r(r1, rrow, rmask, HAS_R)
   if PF > 2:
     if NSRC > 2:
       x2a, x2b = _load(s2, base, offa, mska, offb, mskb, CB)
+      r2v = _load_r(r2, rrow, rmask, HAS_R)
   if PF > 3:
     if NSRC > 3:
       x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
+      r3v = _load_r(r3, rrow, rmask, HAS_R)
   if NSRC > 0:
     if PF == 1:
       if NSRC > 1:
         x1a, x1b = _load(s1, base, offa, mska, offb, mskb, CB)
+        r1v = _load_r(r1, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 2:
         x2a, x2b = _load(s2, base, offa, mska, offb, mskb, CB)
+        r2v = _load_r(r2, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 3:
         x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
+        r3v = _load_r(r3, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 4:
         x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
-    m, l, acca, accb = _fwd_step(x0a, x0b, ta, tb, m, l, acca,
-                                 accb, D, EPS, PIN, CB)
+        r4v = _load_r(r4, rrow, rmask, HAS_R)
+    m, l, acca, accb = _fwd_step(x0a, x0b, r0v, ta, tb, m, l,
+                                 acca, accb, D, EPS, PIN, CB, HAS_R)
   if NSRC > 1:
     if PF == 1:
       if NSRC > 2:
         x2a, x2b = _load(s2, base, offa, mska, offb, mskb, CB)
+        r2v = _load_r(r2, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 3:
         x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
+        r3v = _load_r(r3, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 4:
         x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
+        r4v = _load_r(r4, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 5:
         x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
-    m, l, acca, accb = _fwd_step(x1a, x1b, ta, tb, m, l, acca,
-                                 accb, D, EPS, PIN, CB)
+        r5v = _load_r(r5, rrow, rmask, HAS_R)
+    m, l, acca, accb = _fwd_step(x1a, x1b, r1v, ta, tb, m, l,
+                                 acca, accb, D, EPS, PIN, CB, HAS_R)
   if NSRC > 2:
     if PF == 1:
       if NSRC > 3:
         x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
+        r3v = _load_r(r3, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 4:
         x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
+        r4v = _load_r(r4, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 5:
         x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
+        r5v = _load_r(r5, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 6:
         x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
-    m, l, acca, accb = _fwd_step(x2a, x2b, ta, tb, m, l, acca,
-                                 accb, D, EPS, PIN, CB)
+        r6v = _load_r(r6, rrow, rmask, HAS_R)
+    m, l, acca, accb = _fwd_step(x2a, x2b, r2v, ta, tb, m, l,
+                                 acca, accb, D, EPS, PIN, CB, HAS_R)
   if NSRC > 3:
     if PF == 1:
       if NSRC > 4:
         x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
+        r4v = _load_r(r4, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 5:
         x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
+        r5v = _load_r(r5, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 6:
         x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
+        r6v = _load_r(r6, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 7:
         x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
-    m, l, acca, accb = _fwd_step(x3a, x3b, ta, tb, m, l, acca,
-                                 accb, D, EPS, PIN, CB)
+        r7v = _load_r(r7, rrow, rmask, HAS_R)
+    m, l, acca, accb = _fwd_step(x3a, x3b, r3v, ta, tb, m, l,
+                                 acca, accb, D, EPS, PIN, CB, HAS_R)
   if NSRC > 4:
     if PF == 1:
       if NSRC > 5:
         x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
+        r5v = _load_r(r5, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 6:
         x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
+        r6v = _load_r(r6, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 7:
         x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
+        r7v = _load_r(r7, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 8:
         x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
-    m, l, acca, accb = _fwd_step(x4a, x4b, ta, tb, m, l, acca,
-                                 accb, D, EPS, PIN, CB)
+        r8v = _load_r(r8, rrow, rmask, HAS_R)
+    m, l, acca, accb = _fwd_step(x4a, x4b, r4v, ta, tb, m, l,
+                                 acca, accb, D, EPS, PIN, CB, HAS_R)
   if NSRC > 5:
     if PF == 1:
       if NSRC > 6:
         x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
+        r6v = _load_r(r6, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 7:
         x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
+        r7v = _load_r(r7, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 8:
         x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
+        r8v = _load_r(r8, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 9:
         x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
-    m, l, acca, accb = _fwd_step(x5a, x5b, ta, tb, m, l, acca,
-                                 accb, D, EPS, PIN, CB)
+        r9v = _load_r(r9, rrow, rmask, HAS_R)
+    m, l, acca, accb = _fwd_step(x5a, x5b, r5v, ta, tb, m, l,
+                                 acca, accb, D, EPS, PIN, CB, HAS_R)
   if NSRC > 6:
     if PF == 1:
       if NSRC > 7:
         x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
+        r7v = _load_r(r7, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 8:
         x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
+        r8v = _load_r(r8, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 9:
         x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
+        r9v = _load_r(r9, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 10:
         x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
-    m, l, acca, accb = _fwd_step(x6a, x6b, ta, tb, m, l, acca,
-                                 accb, D, EPS, PIN, CB)
+        r10v = _load_r(r10, rrow, rmask, HAS_R)
+    m, l, acca, accb = _fwd_step(x6a, x6b, r6v, ta, tb, m, l,
+                                 acca, accb, D, EPS, PIN, CB, HAS_R)
   if NSRC > 7:
     if PF == 1:
       if NSRC > 8:
         x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
+        r8v = _load_r(r8, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 9:
         x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
+        r9v = _load_r(r9, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 10:
         x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
+        r10v = _load_r(r10, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 11:
         x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
-    m, l, acca, accb = _fwd_step(x7a, x7b, ta, tb, m, l, acca,
-                                 accb, D, EPS, PIN, CB)
+        r11v = _load_r(r11, rrow, rmask, HAS_R)
+    m, l, acca, accb = _fwd_step(x7a, x7b, r7v, ta, tb, m, l,
+                                 acca, accb, D, EPS, PIN, CB, HAS_R)
   if NSRC > 8:
     if PF == 1:
       if NSRC > 9:
         x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
+        r9v = _load_r(r9, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 10:
         x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
+        r10v = _load_r(r10, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 11:
         x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
+        r11v = _load_r(r11, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 12:
         x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
-    m, l, acca, accb = _fwd_step(x8a, x8b, ta, tb, m, l, acca,
-                                 accb, D, EPS, PIN, CB)
+        r12v = _load_r(r12, rrow, rmask, HAS_R)
+    m, l, acca, accb = _fwd_step(x8a, x8b, r8v, ta, tb, m, l,
+                                 acca, accb, D, EPS, PIN, CB, HAS_R)
   if NSRC > 9:
     if PF == 1:
       if NSRC > 10:
         x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
+        r10v = _load_r(r10, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 11:
         x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
+        r11v = _load_r(r11, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 12:
         x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
+        r12v = _load_r(r12, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 13:
         x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
-    m, l, acca, accb = _fwd_step(x9a, x9b, ta, tb, m, l, acca,
-                                 accb, D, EPS, PIN, CB)
+        r13v = _load_r(r13, rrow, rmask, HAS_R)
+    m, l, acca, accb = _fwd_step(x9a, x9b, r9v, ta, tb, m, l,
+                                 acca, accb, D, EPS, PIN, CB, HAS_R)
   if NSRC > 10:
     if PF == 1:
       if NSRC > 11:
         x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
+        r11v = _load_r(r11, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 12:
         x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
+        r12v = _load_r(r12, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 13:
         x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
+        r13v = _load_r(r13, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 14:
         x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
-    m, l, acca, accb = _fwd_step(x10a, x10b, ta, tb, m, l, acca,
-                                 accb, D, EPS, PIN, CB)
+        r14v = _load_r(r14, rrow, rmask, HAS_R)
+    m, l, acca, accb = _fwd_step(x10a, x10b, r10v, ta, tb, m, l,
+                                 acca, accb, D, EPS, PIN, CB, HAS_R)
   if NSRC > 11:
     if PF == 1:
       if NSRC > 12:
         x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
+        r12v = _load_r(r12, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 13:
         x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
+        r13v = _load_r(r13, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 14:
         x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
+        r14v = _load_r(r14, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 15:
         x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
-    m, l, acca, accb = _fwd_step(x11a, x11b, ta, tb, m, l, acca,
-                                 accb, D, EPS, PIN, CB)
+        r15v = _load_r(r15, rrow, rmask, HAS_R)
+    m, l, acca, accb = _fwd_step(x11a, x11b, r11v, ta, tb, m, l,
+                                 acca, accb, D, EPS, PIN, CB, HAS_R)
   if NSRC > 12:
     if PF == 1:
       if NSRC > 13:
         x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
+        r13v = _load_r(r13, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 14:
         x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
+        r14v = _load_r(r14, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 15:
         x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
-    m, l, acca, accb = _fwd_step(x12a, x12b, ta, tb, m, l, acca,
-                                 accb, D, EPS, PIN, CB)
+        r15v = _load_r(r15, rrow, rmask, HAS_R)
+    m, l, acca, accb = _fwd_step(x12a, x12b, r12v, ta, tb, m, l,
+                                 acca, accb, D, EPS, PIN, CB, HAS_R)
   if NSRC > 13:
     if PF == 1:
       if NSRC > 14:
         x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
+        r14v = _load_r(r14, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 15:
         x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
-    m, l, acca, accb = _fwd_step(x13a, x13b, ta, tb, m, l, acca,
-                                 accb, D, EPS, PIN, CB)
+        r15v = _load_r(r15, rrow, rmask, HAS_R)
+    m, l, acca, accb = _fwd_step(x13a, x13b, r13v, ta, tb, m, l,
+                                 acca, accb, D, EPS, PIN, CB, HAS_R)
   if NSRC > 14:
     if PF == 1:
       if NSRC > 15:
         x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
-    m, l, acca, accb = _fwd_step(x14a, x14b, ta, tb, m, l, acca,
-                                 accb, D, EPS, PIN, CB)
+        r15v = _load_r(r15, rrow, rmask, HAS_R)
+    m, l, acca, accb = _fwd_step(x14a, x14b, r14v, ta, tb, m, l,
+                                 acca, accb, D, EPS, PIN, CB, HAS_R)
   if NSRC > 15:
-    m, l, acca, accb = _fwd_step(x15a, x15b, ta, tb, m, l, acca,
-                                 accb, D, EPS, PIN, CB)
+    m, l, acca, accb = _fwd_step(x15a, x15b, r15v, ta, tb, m, l,
+                                 acca, accb, D, EPS, PIN, CB, HAS_R)
   # </gen:FWD_STEPS>
   if LAST:
     inv = 1.0 / l[:, :, None]
@@ -1286,8 +1368,11 @@ def _pad_slots(chunk):
   return list(chunk) + [chunk[0]] * (MAX_SOURCES_PER_LAUNCH - len(chunk))
 
 
-def _fwd_local(srcs, t, cfg: _Cfg, init=None):
+def _fwd_local(srcs, t, cfg: _Cfg, init=None, rs=None):
   """Routes ``srcs`` (tuple of ``[N, D]``) for G sites at once.
+
+  ``rs``: None, or the sources' inverse RMS (tuple of ``[N]`` fp32, e.g.
+  :func:`reference.inv_rms`), read instead of computed in the kernel.
 
   ``t``: ``[G, D]`` fp32, each site's query * gain. ``init``: None, or
   ``(out, lse, i0)`` (``[R, N, D]``, ``[R, N, H]`` fp32, an int): site ``g``
@@ -1304,14 +1389,16 @@ def _fwd_local(srcs, t, cfg: _Cfg, init=None):
   grid = (g * triton.cdiv(n, bn),)
   one = jax.ShapeDtypeStruct((1,), f32)
   chunks = _chunks(list(srcs), cfg.chunk)
+  r_chunks = chunks if rs is None else _chunks(list(rs), cfg.chunk)
   i0 = 0
   if init is None:
     state, mode = (t, t, t), 0
   else:
     state, mode, i0 = (init[1], t, init[0]), 2, int(init[2])
-  for ci, ch in enumerate(chunks):
+  k = MAX_SOURCES_PER_LAUNCH
+  for ci, (ch, rch) in enumerate(zip(chunks, r_chunks)):
     last = ci == len(chunks) - 1
-    inputs = _pad_slots(ch) + [t, *state]
+    inputs = _pad_slots(ch) + _pad_slots(rch) + [t, *state]
     shapes = [
         jax.ShapeDtypeStruct((g, n, d), dtype) if last else one,
         jax.ShapeDtypeStruct((g, n, h), f32) if last else one,
@@ -1319,11 +1406,12 @@ def _fwd_local(srcs, t, cfg: _Cfg, init=None):
         one if last else jax.ShapeDtypeStruct((g, n, h), f32),
         one if last else jax.ShapeDtypeStruct((g, n, d), f32),
     ]
-    k = MAX_SOURCES_PER_LAUNCH
-    carry = {2: k + 1, 3: k + 2, 4: k + 3} if mode == 1 and not last else {}
+    carry = ({2: 2 * k + 1, 3: 2 * k + 2, 4: 2 * k + 3}
+             if mode == 1 and not last else {})
     res = _launch(_fwd_kernel, inputs, [n, i0], shapes, grid=grid,
                   num_warps=cfg.fwd_warps, carry=carry, poison=cfg.poison,
-                  dummy=t, NSRC=len(ch), INIT=mode, LAST=last, G=g,
+                  dummy=t, NSRC=len(ch), INIT=mode, LAST=last,
+                  HAS_R=rs is not None, G=g,
                   PF=cfg.fwd_pf, PIN=cfg.pin,
                   **cfg.meta(bn))
     if last:
@@ -1399,23 +1487,25 @@ def _flat(x):
   return x.reshape(-1, x.shape[-1])
 
 
-def _fwd_impl(srcs, t, cfg, init=None):
+def _fwd_impl(srcs, t, cfg, init=None, rs=None):
   """Sharded forward of G sites: ``srcs [..., D]``, ``t [G, D]`` ->
   ``(out [G, ..., D], lse [G, ..., H])``; ``init``: None or
-  ``(out [R, ..., D], lse [R, ..., H], i0)``, earlier results to continue
-  (see :func:`_fwd_local`)."""
+  ``(out [R, ..., D], lse [R, ..., H], i0)``, earlier results to continue;
+  ``rs``: None or the sources' inverse RMS ``[...]`` fp32 (see
+  :func:`_fwd_local`)."""
   lead = srcs[0].shape[:-1]
   g = t.shape[0]
   i0 = None if init is None else int(init[2])
 
-  def local(srcs, t, *init):
+  def local(srcs, rs, t, *init):
     loc_lead = srcs[0].shape[:-1]
     if init:
       r = init[0].shape[0]
       init = (init[0].reshape(r, -1, cfg.d), init[1].reshape(r, -1, cfg.h),
               i0)
     out, lse = _fwd_local(tuple(_flat(s) for s in srcs), t, cfg,
-                          init or None)
+                          init or None,
+                          tuple(r.reshape(-1) for r in rs) if rs else None)
     return (out.reshape(g, *loc_lead, cfg.d),
             lse.reshape(g, *loc_lead, cfg.h))
 
@@ -1423,9 +1513,12 @@ def _fwd_impl(srcs, t, cfg, init=None):
   spec = _tok_spec(cfg, len(lead) + 1)
   gspec = P(None, *spec)                  # [G, tokens..., last]
   init = () if init is None else tuple(init[:2])
+  rs = () if rs is None else tuple(rs)
+  rspec = _tok_spec(cfg, len(lead))       # [tokens...]
   return _shard(cfg, local,
-                (tuple(spec for _ in srcs), P(), *(gspec for _ in init)),
-                (gspec, gspec))(tuple(srcs), t, *init)
+                (tuple(spec for _ in srcs), tuple(rspec for _ in rs), P(),
+                 *(gspec for _ in init)),
+                (gspec, gspec))(tuple(srcs), rs, t, *init)
 
 
 def _bwd_impl(srcs, g, t, lse, out, cfg):
