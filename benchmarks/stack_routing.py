@@ -205,6 +205,9 @@ def main():
                   "default all; prenorm always runs")
   ap.add_argument("--source_grad_tuning", default="",
                   help="JSON dict merged into triton_stack.TUNING")
+  ap.add_argument("--route_tuning", default="",
+                  help="JSON dict merged into triton_route.TUNING (e.g. "
+                  "'{\"fwd_given_r\": true}')")
   ap.add_argument("--site_group", type=int, default=0,
                   help="also time the source variants two-phase in groups "
                   "of this many sites (full/source-gG, block8/source-g: by "
@@ -215,6 +218,10 @@ def main():
     from mhar_jax.kernels import triton_stack
     triton_stack.TUNING.update(json.loads(a.source_grad_tuning))
     print(f"triton_stack.TUNING = {triton_stack.TUNING}", flush=True)
+  if a.route_tuning:
+    from mhar_jax.kernels import triton_route
+    triton_route.TUNING.update(json.loads(a.route_tuning))
+    print(f"triton_route.TUNING = {triton_route.TUNING}", flush=True)
   bw = copy_bandwidth()
   print(f"{jax.devices()[0].device_kind}: copy bandwidth {bw / 1e12:.2f} TB/s",
         flush=True)

@@ -75,6 +75,19 @@ def test_triton_stack_matches_reference(dtype, lead, d, heads, n, blocks,
     assert rel(a, b) <= tol, rel(a, b)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("lead,d,heads,n,blocks,site_group", [
+    ((3, 160), 1280, 8, 20, None, 0), ((2, 37), 64, 4, 5, (0, 0, 1, 1, 1), 0),
+    ((3, 160), 1280, 8, 20, None, 8)])
+def test_triton_stack_given_inverse_rms(monkeypatch, dtype, lead, d, heads, n,
+                                        blocks, site_group):
+  """The forward kernel reading the stack's inverse RMS (fwd_given_r)."""
+  from mhar_jax.kernels import triton_route
+  monkeypatch.setitem(triton_route.TUNING, "fwd_given_r", True)
+  test_triton_stack_matches_reference(dtype, lead, d, heads, n, blocks,
+                                      site_group)
+
+
 @pytest.mark.parametrize("num_blocks", [0, 2])
 def test_decoder_source_backward_on_gpu(num_blocks):
   from flax import nnx

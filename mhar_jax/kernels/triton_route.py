@@ -118,6 +118,9 @@ CHUNK = 16
 # Tuning knobs: tokens per program are chosen so that each thread holds about
 # `*_elems_per_thread` fp32 elements of one [BN, HP, CA + CB] tile.
 # `*_prefetch` (1..4): source tiles loaded ahead of the one being reduced.
+# `fwd_given_r`: routed_stack passes each source's inverse RMS (which it
+# computes anyway) to the forward kernel instead of the kernel summing squares
+# across warps for every source. Off until timed on the GPU (RESULTS.md).
 # Defaults: best of the sweep on an H200 (benchmarks/ROUTING_NOTES.md; the
 # forward re-checked at D = 1280, benchmarks/RESULTS.md session 9).
 TUNING: dict = {
@@ -125,6 +128,7 @@ TUNING: dict = {
     "cpass_elems_per_thread": 16, "cpass_warps": 4, "cpass_prefetch": 4,
     "bwd_elems_per_thread": 16, "bwd_warps": 4, "bwd_programs_per_sm": 8,
     "bwd_prefetch": 2,
+    "fwd_given_r": False,
 }
 # Pin the forward / c-pass accumulators in place (see `_pin`). Off under
 # Triton's interpreter, which cannot run inline asm.
@@ -1267,6 +1271,7 @@ class _Cfg:
   fwd_bn: int
   fwd_warps: int
   fwd_pf: int
+  fwd_given_r: bool                # see TUNING
   cpass_bn: int
   cpass_warps: int
   cpass_pf: int
@@ -1321,6 +1326,7 @@ def _make_cfg(d, h, eps, exact_bwd, mesh, batch_axes) -> _Cfg:
       fwd_bn=_tokens_per_program(width, tu["fwd_elems_per_thread"],
                                  tu["fwd_warps"]),
       fwd_warps=tu["fwd_warps"], fwd_pf=_pf(tu["fwd_prefetch"]),
+      fwd_given_r=bool(tu["fwd_given_r"]),
       cpass_bn=_tokens_per_program(width, tu["cpass_elems_per_thread"],
                                    tu["cpass_warps"]),
       cpass_warps=tu["cpass_warps"], cpass_pf=_pf(tu["cpass_prefetch"]),
