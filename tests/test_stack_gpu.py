@@ -79,11 +79,12 @@ def test_triton_stack_matches_reference(dtype, lead, d, heads, n, blocks,
 @pytest.mark.parametrize("lead,d,heads,n,blocks,site_group", [
     ((3, 160), 1280, 8, 20, None, 0), ((2, 37), 64, 4, 5, (0, 0, 1, 1, 1), 0),
     ((3, 160), 1280, 8, 20, None, 8)])
-def test_triton_stack_given_inverse_rms(monkeypatch, dtype, lead, d, heads, n,
-                                        blocks, site_group):
-  """The forward kernel reading the stack's inverse RMS (fwd_given_r)."""
+def test_triton_stack_kernel_inverse_rms(monkeypatch, dtype, lead, d, heads,
+                                         n, blocks, site_group):
+  """The stack with the forward kernel computing each source's inverse RMS
+  itself (``fwd_given_r`` off; on by default)."""
   from mhar_jax.kernels import triton_route
-  monkeypatch.setitem(triton_route.TUNING, "fwd_given_r", True)
+  monkeypatch.setitem(triton_route.TUNING, "fwd_given_r", False)
   test_triton_stack_matches_reference(dtype, lead, d, heads, n, blocks,
                                       site_group)
 

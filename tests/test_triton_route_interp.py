@@ -240,3 +240,28 @@ def test_sharded_two_phase_plumbing(tr, monkeypatch):
   for g in (1, 2):
     want = reference.route(srcs, t[g], jnp.ones((d,)), num_heads=h, eps=EPS)
     _close(np.asarray(out[g - 1]), want)
+
+
+def test_given_inverse_rms_drops_the_cross_warp_reduction(tmp_path):
+  """Compiled for sm_90 (no GPU needed; tools/kernel_resources.py, in its own
+  process: this one runs Triton's interpreter), the forward that reads each
+  source's inverse RMS needs fewer barriers and no more registers than the one
+  that sums squares across warps."""
+  import json
+  import pathlib
+  import subprocess
+  import sys
+  root = pathlib.Path(__file__).resolve().parent.parent
+  env = {k: v for k, v in __import__("os").environ.items()
+         if k != "TRITON_INTERPRET"}
+  res = subprocess.run(
+      [sys.executable, str(root / "tools" / "kernel_resources.py"), "--nsrc",
+       "4", "--kernels", "fwd,fwd_r"], capture_output=True, text=True,
+      env=env, cwd=tmp_path, timeout=600)
+  if res.returncode and "ptxas" in res.stderr:
+    pytest.skip("this Triton cannot compile for sm_90 here")
+  assert res.returncode == 0, res.stderr[-2000:]
+  rows = {r["kernel"]: r for r in map(json.loads, [
+      line for line in res.stdout.splitlines() if line.startswith("{")])}
+  assert rows["fwd_r"]["barriers"] < rows["fwd"]["barriers"], rows
+  assert rows["fwd_r"]["regs"] <= rows["fwd"]["regs"], rows

@@ -120,7 +120,9 @@ CHUNK = 16
 # `*_prefetch` (1..4): source tiles loaded ahead of the one being reduced.
 # `fwd_given_r`: routed_stack passes each source's inverse RMS (which it
 # computes anyway) to the forward kernel instead of the kernel summing squares
-# across warps for every source. Off until timed on the GPU (RESULTS.md).
+# across warps for every source: compiled for sm_90 by Triton 3.6, 103 -> 72
+# registers and 68 -> 20 barriers at D = 1280, 128 -> 70 and 49 -> 1 at
+# D = 1024 (tools/kernel_resources.py; RESULTS.md session 10; not yet timed).
 # Defaults: best of the sweep on an H200 (benchmarks/ROUTING_NOTES.md; the
 # forward re-checked at D = 1280, benchmarks/RESULTS.md session 9).
 TUNING: dict = {
@@ -128,7 +130,7 @@ TUNING: dict = {
     "cpass_elems_per_thread": 16, "cpass_warps": 4, "cpass_prefetch": 4,
     "bwd_elems_per_thread": 16, "bwd_warps": 4, "bwd_programs_per_sm": 8,
     "bwd_prefetch": 2,
-    "fwd_given_r": False,
+    "fwd_given_r": True,
 }
 # Pin the forward / c-pass accumulators in place (see `_pin`). Off under
 # Triton's interpreter, which cannot run inline asm.

@@ -1,0 +1,129 @@
+"""Compiles the routing kernels for an H100/H200 (sm_90) without a GPU and
+reports what each costs the hardware: registers a thread, shared memory,
+barriers and layout conversions (per kernel, all sources unrolled), vector
+global loads.
+
+Registers bound occupancy (65,536 a multiprocessor: 128 threads at 103
+registers leave room for 4 programs, 16 warps); barriers and layout
+conversions are the shared-memory round trips that Nsight Compute reports as
+"short scoreboard" stalls (benchmarks/RESULTS.md, session 10). Use the Triton
+of the GPU machine (3.6.0 in `/work/.library/env`; `pip install triton==3.6.0`
+beside jax) for figures that match it. Pointers are marked 16-byte aligned,
+as jax-triton marks them::
+
+    python tools/kernel_resources.py                       # D 1280, H 8
+    python tools/kernel_resources.py --d 1024 --pf 2 --warps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import types
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# triton_route imports jax_triton, which needs a GPU jaxlib; compiling does not.
+sys.modules.setdefault("jax_triton", types.ModuleType("jax_triton"))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from mhar_jax.kernels import triton_route as tr  # noqa: E402
+from mhar_jax.kernels import triton_stack as ts  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
+                   "bin")
+K = tr.MAX_SOURCES_PER_LAUNCH
+SLOTS = lambda p: {f"{p}{i}" for i in range(K)}  # noqa: E731
+# Pointer arguments in the sources' dtype (bf16); every other pointer is fp32.
+BF16 = {"fwd": SLOTS("s") | {"out_ptr", "i_out"},
+        "cpass": SLOTS("s") | {"g_ptr"},
+        "bwd": SLOTS("s") | SLOTS("ds") | SLOTS("i") | {"g_ptr"},
+        "source_grad": {"s_ptr", "dx_ptr", "ds_ptr"}}
+SCALARS = {"N", "I0", "NTILES", "I", "M"}
+
+
+def compile_kernel(fn, bf16, constexprs, warps):
+  """``fn`` compiled for sm_90: ``(CompiledKernel, resource line)``."""
+  names = list(fn.arg_names)
+  sig, attrs = {}, {}
+  for i, n in enumerate(names):
+    if n in constexprs:
+      sig[n] = "constexpr"
+    elif n in SCALARS:
+      sig[n] = "i32"
+    else:
+      sig[n] = "*bf16" if n in bf16 else "*fp32"
+      attrs[(i,)] = [["tt.divisibility", 16]]
+  src = ASTSource(fn, sig, attrs=attrs, constexprs={
+      (names.index(c),): v for c, v in constexprs.items()})
+  cc = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                      options=dict(num_warps=warps, num_stages=1))
+  with tempfile.TemporaryDirectory() as td:
+    path = os.path.join(td, "k.cubin")
+    with open(path, "wb") as f:
+      f.write(cc.asm["cubin"])
+    usage = subprocess.run([os.path.join(BIN, "cuobjdump"),
+                            "--dump-resource-usage", path],
+                           capture_output=True, text=True, check=True).stdout
+  return cc, usage
+
+
+def report(name, cc, usage, warps):
+  ptx, ttgir = cc.asm["ptx"], cc.asm["ttgir"]
+  regs = int(re.search(r"REG:(\d+)", usage).group(1))
+  programs = min(32, 65536 // (regs * 32 * warps), 64 // warps)
+  return dict(kernel=name, regs=regs, programs_per_sm=programs,
+              warps_per_sm=programs * warps, shared=cc.metadata.shared,
+              barriers=ptx.count("bar.sync") + ptx.count("barrier.sync"),
+              layout_conversions=ttgir.count("ttg.convert_layout"),
+              vector_loads=len(re.findall(r"ld\.global[.a-z0-9]*\.v\d", ptx)),
+              loads=ptx.count("ld.global"))
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--d", type=int, default=1280)
+  ap.add_argument("--h", type=int, default=8)
+  ap.add_argument("--nsrc", type=int, default=K)
+  ap.add_argument("--pf", type=int, default=tr.TUNING["fwd_prefetch"])
+  ap.add_argument("--warps", type=int, default=tr.TUNING["fwd_warps"])
+  ap.add_argument("--kernels", default="fwd,fwd_r,cpass,bwd,source_grad")
+  a = ap.parse_args(argv)
+  meta = dict(tr.tile_meta(a.d, a.h), EPS=1e-6)
+  bn = tr._tokens_per_program(tr.tile_width(a.d, a.h), 16, a.warps)
+  common = dict(meta, NSRC=a.nsrc, PF=a.pf, BN=bn)
+  runs = {
+      "fwd": (tr._fwd_kernel, BF16["fwd"], dict(
+          common, INIT=0, LAST=True, HAS_R=False, G=1, PIN=True)),
+      "fwd_r": (tr._fwd_kernel, BF16["fwd"], dict(
+          common, INIT=0, LAST=True, HAS_R=True, G=1, PIN=True)),
+      "cpass": (tr._cpass_kernel, BF16["cpass"], dict(
+          common, FIRST=True, PIN=True)),
+      "bwd": (tr._bwd_kernel, BF16["bwd"], dict(
+          common, PF=tr.TUNING["bwd_prefetch"])),
+      "source_grad": (ts.source_grad_kernel, BF16["source_grad"], dict(
+          tr.tile_meta(a.d, a.h), BN=ts.tokens_per_program(a.d, a.h),
+          STAGES=ts.TUNING["stages"])),
+  }
+  print(f"triton {triton.__version__}, sm_90, D={a.d} H={a.h} "
+        f"NSRC={a.nsrc} PF={a.pf} warps={a.warps} BN={bn}", flush=True)
+  rows = []
+  for name in a.kernels.split(","):
+    fn, bf16, cons = runs[name]
+    warps = ts.TUNING["warps"] if name == "source_grad" else a.warps
+    cons = {k: v for k, v in cons.items() if k in fn.arg_names}
+    rows.append(report(name, *compile_kernel(fn, bf16, cons, warps), warps))
+    print(json.dumps(rows[-1]), flush=True)
+  return rows
+
+
+if __name__ == "__main__":
+  main()
