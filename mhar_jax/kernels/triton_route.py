@@ -318,7 +318,8 @@ def _fwd_kernel(
 
   Inputs: ``s*`` ``[N, D]`` (sources' dtype); with HAS_R ``r*`` ``[N]`` fp32,
   their inverse RMS (else unused and computed in the kernel); ``t_ptr``
-  ``[G, D]`` fp32 (each site's query * gain); the starting state of each site, by INIT: 0, none
+  ``[G, D]`` fp32 (each site's query * gain); the starting state of each
+  site, by INIT: 0, none
   (``m_in``, ``l_in``, ``acc_in`` unused); 1, carried ``m_in``/``l_in``
   ``[G, N, H]`` and ``acc_in`` ``[G, N, D]`` fp32; 2, a routed result over
   earlier sources, ``m_in`` = its log-sum-exp ``[R, N, H]`` and ``acc_in`` =
