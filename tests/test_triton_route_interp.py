@@ -265,3 +265,50 @@ def test_given_inverse_rms_drops_the_cross_warp_reduction(tmp_path):
       line for line in res.stdout.splitlines() if line.startswith("{")])}
   assert rows["fwd_r"]["barriers"] < rows["fwd"]["barriers"], rows
   assert rows["fwd_r"]["regs"] <= rows["fwd"]["regs"], rows
+
+
+def _interpreted_launch(kernel, inputs, scalars, out_shapes, *, grid,
+                        num_warps, carry=None, poison=False, dummy=None,
+                        **meta):
+  """``triton_route._launch`` run by Triton's interpreter on torch tensors:
+  the kernel gets ``inputs``, one unused init per output, ``scalars``, then
+  the outputs (an output in ``carry`` starts as a copy of that input, the
+  others as NaN), as jax-triton passes them."""
+  del num_warps, poison
+  for j, i in (carry or {}).items():   # XLA aliases only equal buffers
+    assert (inputs[i].shape, inputs[i].dtype) == (out_shapes[j].shape,
+                                                  out_shapes[j].dtype), (j, i)
+  args = [_T(x) for x in inputs]
+  outs = [args[carry[j]].clone() if carry and j in carry
+          else _nan(*s.shape) for j, s in enumerate(out_shapes)]
+  kernel[grid](*args, *([_T(dummy)] * len(out_shapes)), *scalars, *outs,
+               **meta)
+  return [jnp.asarray(o.numpy()).astype(s.dtype)
+          for o, s in zip(outs, out_shapes)]
+
+
+@pytest.mark.parametrize("given_r", [False, True])
+def test_fwd_local_launch_plumbing(tr, monkeypatch, given_r):
+  """``_fwd_local`` itself (argument order, the inverse-RMS slots, the carry
+  aliases between launches of 16 sources, a continuation), its launches run
+  by the interpreter: 2 sites over 35 sources (three launches, the middle one
+  carrying its state in place), then one continued over 2 more, against the
+  reference."""
+  monkeypatch.setattr(tr, "_launch", _interpreted_launch)
+  n_tok, d, h = 5, 320, 2
+  rng = np.random.default_rng(11)
+  srcs = [jnp.asarray((rng.normal(size=(n_tok, d)) * (0.5 + 0.1 * i)),
+                      jnp.float32) for i in range(37)]
+  t = jnp.asarray(0.5 * rng.normal(size=(2, d)), jnp.float32)
+  cfg = tr._make_cfg(d, h, EPS, True, None, ())
+  rs = [reference.inv_rms(s, EPS) for s in srcs]
+  pick = lambda a, b: tuple(rs[a:b]) if given_r else None  # noqa: E731
+  out, lse = tr._fwd_local(tuple(srcs[:35]), t, cfg, rs=pick(0, 35))
+  out2, _ = tr._fwd_local(tuple(srcs[35:]), t[1:], cfg, init=(out, lse, 1),
+                          rs=pick(35, 37))
+  ones = jnp.ones((d,))
+  for g in range(2):
+    want = reference.route(srcs[:35], t[g], ones, num_heads=h, eps=EPS)
+    _close(np.asarray(out[g]), want)
+  want = reference.route(srcs, t[1], ones, num_heads=h, eps=EPS)
+  _close(np.asarray(out2[0]), want)
