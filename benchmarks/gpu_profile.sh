@@ -17,6 +17,7 @@ prof() {   # name, what, kernel regex, launches to skip, launches to profile
     "$OUT/ncu-$1.txt" | sed 's/  */ /g' | head -40
 }
 prof fwd fwd _fwd_kernel 1 1
+prof fwd_r fwd_r _fwd_kernel 1 1
 prof sites sites _fwd_kernel 1 1
 prof fwdbwd fwdbwd "_cpass_kernel|_bwd_kernel" 2 2
 prof stack stack source_grad_kernel 20 2

@@ -4,6 +4,8 @@ Runs one routing computation per ``--what`` at N = 32,768 tokens, D = 1280,
 H = 8, bf16, so that ``ncu`` can profile its kernels:
 
 * ``fwd``: one site over 16 sources (one forward launch, no carries);
+* ``fwd_r``: the same reading each source's inverse RMS (as ``routed_stack``
+  calls it, ``triton_route.TUNING["fwd_given_r"]``);
 * ``fwdbwd``: the same with the site-major backward (c-pass and backward);
 * ``sites``: 8 sites over the same 8 sources in one launch (two-phase
   routing's first phase: do the programs of a token tile share loads in L2?);
@@ -33,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from mhar_jax.kernels import reference  # noqa: E402
 from mhar_jax.kernels.stack import routed_stack  # noqa: E402
 
 N, D, H = 32768, 1280, 8
@@ -47,17 +50,23 @@ def _inputs(s, seed=0):
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--what", choices=("fwd", "fwdbwd", "sites", "stack"),
+  ap.add_argument("--what", choices=("fwd", "fwd_r", "fwdbwd", "sites", "stack"),
                   required=True)
   args = ap.parse_args()
   from mhar_jax.kernels import triton_route   # needs a GPU jaxlib
-  if args.what in ("fwd", "fwdbwd"):
+  if args.what in ("fwd", "fwd_r", "fwdbwd"):
     srcs, kq, kd = _inputs(16)
     q = 0.3 * jax.random.normal(kq, (D,))
     g = jnp.ones((D,))
     route = lambda s, q: triton_route.route(s, q, g, num_heads=H)  # noqa: E731
     if args.what == "fwd":
       fn, call = jax.jit(route), (srcs, q)
+    elif args.what == "fwd_r":
+      cfg = triton_route._make_cfg(D, H, 1e-6, True, None, ())
+      rs = [reference.inv_rms(s, 1e-6) for s in srcs]
+      fn = jax.jit(lambda s, rs, q: triton_route._fwd_impl(
+          s, triton_route._t(q, g)[None], cfg, rs=rs))
+      call = (srcs, rs, q)
     else:
       dy = jax.random.normal(kd, (N, D)).astype(jnp.bfloat16)
       fn = jax.jit(lambda s, q: jax.vjp(route, s, q)[1](dy))
