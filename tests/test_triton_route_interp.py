@@ -248,12 +248,12 @@ def test_given_inverse_rms_drops_the_cross_warp_reduction(tmp_path):
   source's inverse RMS needs fewer barriers and no more registers than the one
   that sums squares across warps."""
   import json
+  import os
   import pathlib
   import subprocess
   import sys
   root = pathlib.Path(__file__).resolve().parent.parent
-  env = {k: v for k, v in __import__("os").environ.items()
-         if k != "TRITON_INTERPRET"}
+  env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
   res = subprocess.run(
       [sys.executable, str(root / "tools" / "kernel_resources.py"), "--nsrc",
        "4", "--kernels", "fwd,fwd_r"], capture_output=True, text=True,
