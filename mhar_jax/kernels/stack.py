@@ -171,9 +171,8 @@ def _sites(sources, t, r, plan):
   query * gain, ``r`` the sources' inv-RMS."""
   if plan.impl == "triton":
     from mhar_jax.kernels import triton_route
-    cfg = _cfg(sources, plan)
     return triton_route._fwd_impl(tuple(sources), t.reshape(t.shape[0], -1),
-                                  cfg, rs=tuple(r) if cfg.fwd_given_r else None)
+                                  _cfg(sources, plan), rs=tuple(r))
   st = _heads(jnp.stack(sources), plan.num_heads)        # [S, ..., H, C]
   logit = jnp.stack(r)[..., None] * jnp.einsum("s...hc,ghc->gs...h", st, t)
   lse = jax.nn.logsumexp(logit, axis=1)
@@ -188,10 +187,9 @@ def _continue(outs, lses, k, sources, t_j, r, plan):
   ``sources`` (``t_j [H, C]``, ``r`` their inv-RMS)."""
   if plan.impl == "triton":
     from mhar_jax.kernels import triton_route
-    cfg = _cfg(sources, plan)
-    out, lse = triton_route._fwd_impl(tuple(sources), t_j.reshape(1, -1), cfg,
-                                      init=(outs, lses, k),
-                                      rs=tuple(r) if cfg.fwd_given_r else None)
+    out, lse = triton_route._fwd_impl(tuple(sources), t_j.reshape(1, -1),
+                                      _cfg(sources, plan), init=(outs, lses, k),
+                                      rs=tuple(r))
     return out[0], lse[0]
   h = plan.num_heads
   st = _heads(jnp.stack(sources), h)

@@ -118,11 +118,12 @@ CHUNK = 16
 # Tuning knobs: tokens per program are chosen so that each thread holds about
 # `*_elems_per_thread` fp32 elements of one [BN, HP, CA + CB] tile.
 # `*_prefetch` (1..4): source tiles loaded ahead of the one being reduced.
-# `fwd_given_r`: routed_stack passes each source's inverse RMS (which it
-# computes anyway) to the forward kernel instead of the kernel summing squares
-# across warps for every source: compiled for sm_90 by Triton 3.6, 103 -> 72
-# registers and 68 -> 20 barriers at D = 1280, 128 -> 70 and 49 -> 1 at
-# D = 1024 (tools/kernel_resources.py; RESULTS.md session 10; not yet timed).
+# `fwd_given_r`: the forward kernel reads each source's inverse RMS when the
+# caller passes it (routed_stack does: it computes them anyway) instead of
+# summing squares across warps for every source; off, given ones are ignored.
+# Compiled for sm_90 by Triton 3.6: 103 -> 72 registers and 68 -> 20 barriers
+# at D = 1280, 128 -> 70 and 49 -> 1 at D = 1024 (tools/kernel_resources.py;
+# RESULTS.md session 10; not yet timed).
 # Defaults: best of the sweep on an H200 (benchmarks/ROUTING_NOTES.md; the
 # forward re-checked at D = 1280, benchmarks/RESULTS.md session 9).
 TUNING: dict = {
@@ -1381,7 +1382,8 @@ def _fwd_local(srcs, t, cfg: _Cfg, init=None, rs=None):
   """Routes ``srcs`` (tuple of ``[N, D]``) for G sites at once.
 
   ``rs``: None, or the sources' inverse RMS (tuple of ``[N]`` fp32, e.g.
-  :func:`reference.inv_rms`), read instead of computed in the kernel.
+  :func:`reference.inv_rms`), read instead of computed in the kernel when
+  ``cfg.fwd_given_r``.
 
   ``t``: ``[G, D]`` fp32, each site's query * gain. ``init``: None, or
   ``(out, lse, i0)`` (``[R, N, D]``, ``[R, N, H]`` fp32, an int): site ``g``
@@ -1397,6 +1399,8 @@ def _fwd_local(srcs, t, cfg: _Cfg, init=None, rs=None):
   bn = cfg.fwd_bn
   grid = (g * triton.cdiv(n, bn),)
   one = jax.ShapeDtypeStruct((1,), f32)
+  if not cfg.fwd_given_r:
+    rs = None
   chunks = _chunks(list(srcs), cfg.chunk)
   r_chunks = chunks if rs is None else _chunks(list(rs), cfg.chunk)
   i0 = 0
