@@ -96,7 +96,10 @@ def main(argv=None):
   ap.add_argument("--pf", type=int, default=tr.TUNING["fwd_prefetch"])
   ap.add_argument("--warps", type=int, default=tr.TUNING["fwd_warps"])
   ap.add_argument("--kernels", default="fwd,fwd_r,cpass,bwd,source_grad")
+  ap.add_argument("--source_grad_tuning", default="",
+                  help="JSON dict merged into triton_stack.TUNING")
   a = ap.parse_args(argv)
+  ts.TUNING.update(json.loads(a.source_grad_tuning or "{}"))
   meta = dict(tr.tile_meta(a.d, a.h), EPS=1e-6)
   bn = tr._tokens_per_program(tr.tile_width(a.d, a.h), 16, a.warps)
   common = dict(meta, NSRC=a.nsrc, PF=a.pf, BN=bn)
