@@ -20,4 +20,4 @@ prof fwd fwd _fwd_kernel 1 1
 prof fwd_r fwd_r _fwd_kernel 1 1
 prof sites sites _fwd_kernel 1 1
 prof fwdbwd fwdbwd "_cpass_kernel|_bwd_kernel" 2 2
-prof stack stack source_grad_kernel 20 2
+prof source_grad source_grad source_grad_kernel 1 1

@@ -9,8 +9,9 @@ H = 8, bf16, so that ``ncu`` can profile its kernels:
 * ``fwdbwd``: the same with the site-major backward (c-pass and backward);
 * ``sites``: 8 sites over the same 8 sources in one launch (two-phase
   routing's first phase: do the programs of a token tile share loads in L2?);
-* ``stack``: a ``routed_stack`` of 12 sublayers (its source-major backward,
-  ``triton_stack.source_grad_kernel``).
+* ``source_grad``: the source-major backward's kernel for one source read by
+  37 sites (``triton_stack.source_grad_local``; ncu crashed profiling it
+  inside a whole ``routed_stack`` program).
 
 Each computation runs twice (the first compiles); profile the second::
 
@@ -31,12 +32,12 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from mhar_jax.kernels import reference  # noqa: E402
-from mhar_jax.kernels.stack import routed_stack  # noqa: E402
 
 N, D, H = 32768, 1280, 8
 
@@ -50,7 +51,7 @@ def _inputs(s, seed=0):
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--what", choices=("fwd", "fwd_r", "fwdbwd", "sites", "stack"),
+  ap.add_argument("--what", choices=("fwd", "fwd_r", "fwdbwd", "sites", "source_grad"),
                   required=True)
   args = ap.parse_args()
   from mhar_jax.kernels import triton_route   # needs a GPU jaxlib
@@ -78,18 +79,10 @@ def main():
     fn, call = jax.jit(lambda s, t: triton_route._fwd_impl(s, t, cfg)), (srcs,
                                                                          t)
   else:
-    (h,), kq, kd = _inputs(1)
-    n = 12
-    ps = [jnp.asarray(1.0 + 0.01 * i, jnp.bfloat16) for i in range(n)]
-    qs = 0.3 * jax.random.normal(kq, (n + 1, D))
-    gs = jnp.ones((n + 1, D))
-    ct = jax.random.normal(kd, (N, D)).astype(jnp.bfloat16)
-
-    def loss(h, ps, qs):
-      out = routed_stack(h, ps, lambda j, p, x, c: x * p, qs, gs, None,
-                         num_heads=H, impl="triton")
-      return jnp.sum((out * ct).astype(jnp.float32))
-    fn, call = jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (h, ps, qs)
+    from mhar_jax.kernels import triton_stack
+    from source_grad import inputs
+    fn = jax.jit(lambda *x: triton_stack.source_grad_local(*x, 0, H))
+    call = inputs(N, 37, D, H)
   for _ in range(2):
     jax.block_until_ready(fn(*call))
   print(f"profile_routing: {args.what} done", flush=True)

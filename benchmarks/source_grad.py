@@ -1,0 +1,95 @@
+"""The training backward's kernel alone: one source's gradient from M sites.
+
+    python3 benchmarks/source_grad.py --d 1280 --m 37 \
+        --tunings '[{}, {"stages": 3}, {"elems_per_thread": 24, "warps": 8}]'
+
+Times :func:`mhar_jax.kernels.triton_stack.source_grad_local` (the kernel and
+the small einsum for the query-gain gradient, what ``routed_stack``'s
+backward runs once per source) at ``N`` tokens x ``D``, H heads, bf16, with
+``M`` sites reading the source, under each tuning of
+``triton_stack.TUNING`` given (one JSON dict each, merged into the defaults).
+Each is checked against the jnp reference (``stack.source_grad``) on the same
+inputs first. Printed per tuning: tokens a program, ms (median), and the bytes
+any implementation must move (``s`` read twice, every ``dx_j`` read, ``lse``,
+``xd`` read, ``ds`` written, ``dlr`` written and read) per second, as a share
+of a copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mhar_jax.kernels import stack  # noqa: E402
+from routing import _median_ms, copy_bandwidth  # noqa: E402
+
+
+def inputs(n, m, d, h, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 6)
+  s = (jax.random.normal(ks[0], (n, d)) * 1.5).astype(jnp.bfloat16)
+  r = jax.lax.rsqrt(jnp.mean(jnp.square(s.astype(jnp.float32)), -1) + 1e-6)
+  dx = jax.random.normal(ks[1], (m, n, d), jnp.bfloat16)
+  t = 0.3 * jax.random.normal(ks[2], (m, d)) / np.sqrt(d / h)
+  lse = 1.0 + 0.1 * jax.random.normal(ks[3], (m, n, h))
+  xd = 0.1 * jax.random.normal(ks[4], (m, n, h))
+  return s, r, dx, t, lse, xd
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--n", type=int, default=32768)
+  ap.add_argument("--d", type=int, default=1280)
+  ap.add_argument("--h", type=int, default=8)
+  ap.add_argument("--m", type=int, default=37)
+  ap.add_argument("--tunings", default="[{}]",
+                  help="JSON list of dicts merged into triton_stack.TUNING")
+  ap.add_argument("--json", default="")
+  a = ap.parse_args()
+  from mhar_jax.kernels import triton_stack as ts   # needs a GPU jaxlib
+  default = dict(ts.TUNING)
+  dev = jax.devices()[0]
+  cb = copy_bandwidth()
+  copy_gbs = max(v for v in cb.values() if isinstance(v, float))
+  print(f"{dev.device_kind}: copy {copy_gbs:.0f} GB/s; N={a.n} D={a.d} "
+        f"H={a.h} M={a.m} bf16", flush=True)
+  args = inputs(a.n, a.m, a.d, a.h)
+  ref = jax.jit(lambda *x: stack.source_grad(*x, 0, a.h))(*args)
+  e = a.n * a.d * 2
+  nbytes = (a.m + 3) * e + 4 * a.n * a.h * a.m * 4 + 4 * a.n
+  rows = []
+  for tu in json.loads(a.tunings):
+    ts.TUNING.clear()
+    ts.TUNING.update(default, **tu)
+    fn = jax.jit(lambda *x: ts.source_grad_local(*x, 0, a.h))
+    try:
+      out = fn(*args)
+      err = max(float(jnp.max(jnp.abs(o.astype(jnp.float32)
+                                      - w.astype(jnp.float32)))
+                      / jnp.max(jnp.abs(w.astype(jnp.float32))))
+                for o, w in zip(out, ref))
+      ms, first, _ = _median_ms(fn, args)
+    except Exception as ex:  # noqa: BLE001
+      print(f"{json.dumps(tu)}: ERROR {ex!r}"[:400], flush=True)
+      continue
+    pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs
+    rows.append(dict(tuning=dict(ts.TUNING), bn=ts.tokens_per_program(a.d, a.h),
+                     ms=ms, pct_copy=pct, rel_err=err, compile_s=first))
+    print(f"{json.dumps(tu):50s} BN {rows[-1]['bn']:2d} {ms:8.3f} ms "
+          f"{pct:5.1f}% copy  rel err {err:.1e}", flush=True)
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump(dict(device=dev.device_kind, copy=cb, n=a.n, d=a.d, h=a.h,
+                     m=a.m, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
