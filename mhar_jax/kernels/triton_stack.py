@@ -38,11 +38,15 @@ from mhar_jax.kernels.triton_route import (_cols, _hsum, _load, _rows, _store,
 
 # Tokens per program are chosen so each thread holds about `elems_per_thread`
 # fp32 elements of a tile; `stages`: software-pipelining depth of the loop
-# over sites. 24 gives 2 tokens a program at D = 1280 and D = 1024, 4 at
-# D = 512 (H = 8): at D = 1280 the whole-stack backward of the 1b shape took
-# 230 ms with 2, 249 ms with 1 (benchmarks/RESULTS.md, session 9).
-# benchmarks/stack_routing.py --source_grad_tuning overrides them.
-TUNING: dict = {"elems_per_thread": 24, "warps": 4, "stages": 2}
+# over sites (the site cotangent tiles go through shared memory by async copy,
+# so a deeper pipeline keeps more bytes in flight without more registers).
+# 24 gives 2 tokens a program at D = 1280 and D = 1024, 4 at D = 512 (H = 8).
+# On the H200 (benchmarks/source_grad.py, M = 37 at D = 1280, M = 25 at
+# D = 1024; RESULTS.md session 11) 3 stages took 0.79x / 0.90x the time of 2;
+# 4 stages, 8 warps, 2 warps at 3 stages within 2% of it; 1 token a program
+# slower. benchmarks/source_grad.py --tunings and stack_routing.py
+# --source_grad_tuning override them.
+TUNING: dict = {"elems_per_thread": 24, "warps": 4, "stages": 3}
 
 
 @triton.jit
