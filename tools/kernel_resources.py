@@ -1,12 +1,16 @@
 """Compiles the routing kernels for an H100/H200 (sm_90) without a GPU and
 reports what each costs the hardware: registers a thread, shared memory,
 barriers and layout conversions (per kernel, all sources unrolled), vector
-global loads.
+global loads, SASS instructions (all, and those of the largest loop body: the
+source-major backward's loop over sites).
 
 Registers bound occupancy (65,536 a multiprocessor: 128 threads at 103
 registers leave room for 4 programs, 16 warps); barriers and layout
 conversions are the shared-memory round trips that Nsight Compute reports as
-"short scoreboard" stalls (benchmarks/RESULTS.md, session 10). Use the Triton
+"short scoreboard" stalls (benchmarks/RESULTS.md, session 10). Instructions a
+loop iteration (per thread, per site) bound a kernel that issue slots limit:
+the source-major backward at ~63% of copy bandwidth issued ~1.3x the
+instructions per byte of the forward at ~90% (session 11). Use the Triton
 of the GPU machine (3.6.0 in `/work/.library/env`; `pip install triton==3.6.0`
 beside jax) for figures that match it. Pointers are marked 16-byte aligned,
 as jax-triton marks them::
@@ -73,11 +77,38 @@ def compile_kernel(fn, bf16, constexprs, warps):
     usage = subprocess.run([os.path.join(BIN, "cuobjdump"),
                             "--dump-resource-usage", path],
                            capture_output=True, text=True, check=True).stdout
-  return cc, usage
+    sass = subprocess.run([os.path.join(BIN, "nvdisasm"), "-c", path],
+                          capture_output=True, text=True, check=True).stdout
+  return cc, usage, sass
 
 
-def report(name, cc, usage, warps):
+def sass_counts(sass):
+  """``(instructions, instructions of the largest loop body)`` of a kernel's
+  SASS; a loop is a branch back to an earlier label (0 when none)."""
+  label_at, pending, insts = {}, [], []
+  for line in sass.splitlines():
+    m = re.match(r"\s*\.(L_x_\d+):", line)
+    if m:
+      pending.append(m.group(1))
+      continue
+    m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+    if m:
+      addr = int(m.group(1), 16)
+      label_at.update((p, addr) for p in pending)
+      pending = []
+      insts.append((addr, m.group(2)))
+  loop = 0
+  for addr, ins in insts:
+    m = re.search(r"BRA.*`\(\.(L_x_\d+)\)", ins)
+    if m and label_at.get(m.group(1), addr) < addr:
+      start = label_at[m.group(1)]
+      loop = max(loop, sum(1 for a, _ in insts if start <= a <= addr))
+  return len(insts), loop
+
+
+def report(name, cc, usage, sass, warps):
   ptx, ttgir = cc.asm["ptx"], cc.asm["ttgir"]
+  total, loop = sass_counts(sass)
   regs = int(re.search(r"REG:(\d+)", usage).group(1))
   programs = min(32, 65536 // (regs * 32 * warps), 64 // warps)
   return dict(kernel=name, regs=regs, programs_per_sm=programs,
@@ -85,7 +116,7 @@ def report(name, cc, usage, warps):
               barriers=ptx.count("bar.sync") + ptx.count("barrier.sync"),
               layout_conversions=ttgir.count("ttg.convert_layout"),
               vector_loads=len(re.findall(r"ld\.global[.a-z0-9]*\.v\d", ptx)),
-              loads=ptx.count("ld.global"))
+              loads=ptx.count("ld.global"), sass=total, loop_sass=loop)
 
 
 def main(argv=None):
