@@ -8,6 +8,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis \
 --section SchedulerStats --section WarpStateStats --section Occupancy \
 --section LaunchStats --section ComputeWorkloadAnalysis"
+# XLA's GEMM autotuning crashed under ncu (segfault, session 11): off here.
+export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
 prof() {   # name, what, kernel regex, launches to skip, launches to profile
   timeout 120 ncu --clock-control none -k "regex:$3" --launch-skip "$4" \
     -c "$5" $SECTIONS python3 benchmarks/profile_routing.py --what "$2" \
