@@ -148,6 +148,15 @@ def test_default_chunk_many_sources():
   _compare(37, (1024,), 1280, 8, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_backward_computing_inverse_rms(monkeypatch, dtype):
+  # bwd_given_r off: the c-pass and backward sum squares themselves (on by
+  # default: the forward writes each source's inverse RMS for them).
+  from mhar_jax.kernels import triton_route
+  monkeypatch.setitem(triton_route.TUNING, "bwd_given_r", False)
+  _compare(10, (777,), 1280, 8, dtype, chunk=4)
+
+
 def test_stacked_input():
   _compare(5, (2, 129), 1280, 8, jnp.float32, stacked=True)
 

@@ -55,12 +55,13 @@ def _slots(tr, xs):
 
 
 def _forward(tr, launches, t, n_tok, d, h, pf, init=None, i0=0,
-             given_r=False):
+             given_r=False, r_out=None):
   """Runs the forward kernel for the G sites of ``t`` (``[G, D]``) over the
   source lists ``launches`` (the first continuing rows ``i0 ..`` of
   ``init = (out, lse)`` when given, the others carrying (m, l, acc); with
-  ``given_r`` each source's inverse RMS is passed in); returns
-  ``(out, lse)``."""
+  ``given_r`` each source's inverse RMS is passed in; with ``r_out`` (a list)
+  the kernel writes them, one ``[NSRC, N]`` array a launch appended);
+  returns ``(out, lse)``."""
   g = t.shape[0]
   meta = dict(tr.tile_meta(d, h), EPS=EPS)
   bn = tr._tokens_per_program(tr.tile_width(d, h), 16, 4)
@@ -72,16 +73,20 @@ def _forward(tr, launches, t, n_tok, d, h, pf, init=None, i0=0,
     state, mode = (init[1], t, init[0]), 2
   for li, ch in enumerate(launches):
     last = li == len(launches) - 1
-    outs = ((out, lse, dummy, dummy, dummy) if last else
+    rw = dummy if r_out is None else _nan(len(ch), n_tok)
+    outs = ((out, lse, dummy, dummy, dummy, rw) if last else
             (dummy, dummy, _nan(g, n_tok, h), _nan(g, n_tok, h),
-             _nan(g, n_tok, d)))
+             _nan(g, n_tok, d), rw))
     rs = ([_T(reference.inv_rms(jnp.asarray(x.numpy()), EPS)) for x in ch]
           if given_r else ch)
     tr._fwd_kernel[grid](*_slots(tr, ch), *_slots(tr, rs), t, *state,
-                         *([dummy] * 5), n_tok, i0, *outs, NSRC=len(ch),
-                         INIT=mode, LAST=last, HAS_R=given_r, G=g,
+                         *([dummy] * 6), n_tok, i0, *outs, NSRC=len(ch),
+                         INIT=mode, LAST=last, HAS_R=given_r,
+                         WRITE_R=r_out is not None, G=g,
                          PF=pf, PIN=False, BN=bn, **meta)
-    state, mode = outs[2:], 1
+    if r_out is not None:
+      r_out.append(rw)
+    state, mode = outs[2:5], 1
   return out, lse
 
 
@@ -109,9 +114,12 @@ def test_kernels_match_reference(tr, n_tok, d, h, nsrc, split, pf):
   tt = _T(t)
   dummy = torch.zeros(1)
 
-  # forward: sources [0, split) then [split, nsrc), carrying (m, l, acc)
+  # forward: sources [0, split) then [split, nsrc), carrying (m, l, acc);
+  # it also writes each source's inverse RMS (route()'s forward does)
   launches = [T[:split], T[split:]] if split else [T]
-  out, lse = (x[0] for x in _forward(tr, launches, tt[None], n_tok, d, h, pf))
+  r_out = []
+  out, lse = (x[0] for x in _forward(tr, launches, tt[None], n_tok, d, h, pf,
+                                     r_out=r_out))
   sj = [jnp.asarray(s) for s in srcs]
   out_ref, vjp = jax.vjp(
       lambda ss, q: reference.route(ss, q, jnp.asarray(scale), num_heads=h,
@@ -123,40 +131,49 @@ def test_kernels_match_reference(tr, n_tok, d, h, nsrc, split, pf):
                          jnp.asarray(t).reshape(h, -1)))
   lse_ref = jax.nn.logsumexp(logits, axis=0)
   _close(lse, lse_ref)
+  r_ref = reference.inv_rms(st, EPS)
+  _close(torch.cat(r_out), r_ref)
   # the same with each source's inverse RMS passed in (routed_stack's call)
   out_r, lse_r = (x[0] for x in _forward(tr, launches, tt[None], n_tok, d, h,
                                          pf, given_r=True))
   _close(out_r, out_ref)
   _close(lse_r, lse_ref)
 
-  # backward pass 1: c = sum_i w_i <g, s_i>_h, chained over the same launches
+  # the backward, with the inverse RMS computed and given
   w = jnp.exp(logits - lse_ref)
   c_ref = jnp.sum(w * jnp.einsum("snhc,nhc->snh",
                                  st.reshape(nsrc, n_tok, h, -1),
                                  jnp.asarray(g).reshape(n_tok, h, -1)), 0)
-  gT = _T(g)
-  c = None
-  for li, ch in enumerate(launches):
-    first = li == 0
-    c_new = c if not first else _nan(n_tok, h)
-    tr._cpass_kernel[grid](*_slots(tr, ch), gT, tt, lse, tt if first else c,
-                           dummy, n_tok, c_new, NSRC=len(ch), FIRST=first,
-                           PF=pf, PIN=False, BN=bn, **meta)
-    c = c_new
-  _close(c, c_ref)
-
-  # backward pass 2: every ds_i and the per-program partial sums of dt
-  ntiles = grid[0]
-  progs = min(ntiles, 3)           # persistent programs looping over tiles
-  ds = [_nan(n_tok, d) for _ in range(nsrc)]
-  dt = _nan(progs, d)
-  tr._bwd_kernel[(progs,)](*_slots(tr, T), gT, tt, lse, c, *([dummy] * k),
-                           dummy, n_tok, ntiles, *_slots(tr, ds), dt, NSRC=nsrc, PF=pf,
-                           BN=bn, **meta)
   ds_ref, dquery_ref = vjp(jnp.asarray(g))
-  for got, want in zip(ds, ds_ref):
-    _close(got, want)
-  _close(dt.sum(0) * _T(scale), dquery_ref)
+  gT = _T(g)
+  R = list(torch.cat(r_out))
+  for given_r in (False, True):
+    # pass 1: c = sum_i w_i <g, s_i>_h, chained over the same launches
+    c, i = None, 0
+    for li, ch in enumerate(launches):
+      first = li == 0
+      c_new = c if not first else _nan(n_tok, h)
+      rs = R[i:i + len(ch)] if given_r else ch
+      i += len(ch)
+      tr._cpass_kernel[grid](*_slots(tr, ch), *_slots(tr, rs), gT, tt, lse,
+                             tt if first else c, dummy, n_tok, c_new,
+                             NSRC=len(ch), FIRST=first, PF=pf, PIN=False,
+                             HAS_R=given_r, BN=bn, **meta)
+      c = c_new
+    _close(c, c_ref)
+
+    # pass 2: every ds_i and the per-program partial sums of dt
+    ntiles = grid[0]
+    progs = min(ntiles, 3)           # persistent programs looping over tiles
+    ds = [_nan(n_tok, d) for _ in range(nsrc)]
+    dt = _nan(progs, d)
+    tr._bwd_kernel[(progs,)](*_slots(tr, T), *_slots(tr, R if given_r else T),
+                             gT, tt, lse, c, *([dummy] * k), dummy, n_tok,
+                             ntiles, *_slots(tr, ds), dt, NSRC=nsrc, PF=pf,
+                             HAS_R=given_r, BN=bn, **meta)
+    for got, want in zip(ds, ds_ref):
+      _close(got, want)
+    _close(dt.sum(0) * _T(scale), dquery_ref)
 
 
 def test_head_parts(tr):
@@ -211,7 +228,8 @@ def test_sharded_two_phase_plumbing(tr, monkeypatch):
   h, d = 2, 16
   plan = stack._Plan(h, EPS, "reference")
 
-  def local(srcs, t, cfg, init=None, rs=None):
+  def local(srcs, t, cfg, init=None, rs=None, write_r=False):
+    assert not write_r
     tg = t.reshape(t.shape[0], h, -1)
     r = [reference.inv_rms(s, EPS) for s in srcs]
     if rs is not None:      # the continuation below passes them in
@@ -244,9 +262,9 @@ def test_sharded_two_phase_plumbing(tr, monkeypatch):
 
 def test_given_inverse_rms_drops_the_cross_warp_reduction(tmp_path):
   """Compiled for sm_90 (no GPU needed; tools/kernel_resources.py, in its own
-  process: this one runs Triton's interpreter), the forward that reads each
-  source's inverse RMS needs fewer barriers and no more registers than the one
-  that sums squares across warps."""
+  process: this one runs Triton's interpreter), the forward and the c-pass
+  that read each source's inverse RMS need fewer barriers and no more
+  registers than those that sum squares across warps."""
   import json
   import os
   import pathlib
@@ -256,15 +274,17 @@ def test_given_inverse_rms_drops_the_cross_warp_reduction(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
   res = subprocess.run(
       [sys.executable, str(root / "tools" / "kernel_resources.py"), "--nsrc",
-       "4", "--kernels", "fwd,fwd_r"], capture_output=True, text=True,
+       "4", "--kernels", "fwd,fwd_r,cpass,cpass_r"], capture_output=True,
+      text=True,
       env=env, cwd=tmp_path, timeout=600)
   if res.returncode and "ptxas" in res.stderr:
     pytest.skip("this Triton cannot compile for sm_90 here")
   assert res.returncode == 0, res.stderr[-2000:]
   rows = {r["kernel"]: r for r in map(json.loads, [
       line for line in res.stdout.splitlines() if line.startswith("{")])}
-  assert rows["fwd_r"]["barriers"] < rows["fwd"]["barriers"], rows
-  assert rows["fwd_r"]["regs"] <= rows["fwd"]["regs"], rows
+  for k in ("fwd", "cpass"):
+    assert rows[k + "_r"]["barriers"] < rows[k]["barriers"], rows
+    assert rows[k + "_r"]["regs"] <= rows[k]["regs"], rows
 
 
 def _interpreted_launch(kernel, inputs, scalars, out_shapes, *, grid,
@@ -312,3 +332,83 @@ def test_fwd_local_launch_plumbing(tr, monkeypatch, given_r):
     _close(np.asarray(out[g]), want)
   want = reference.route(srcs, t[1], ones, num_heads=h, eps=EPS)
   _close(np.asarray(out2[0]), want)
+
+
+@pytest.mark.parametrize("given_r", [False, True])
+def test_route_launch_plumbing(tr, monkeypatch, given_r):
+  """route()'s kernel calls on 19 sources (two launches each), run by the
+  interpreter: the forward writing each source's inverse RMS (``write_r``),
+  then the c-pass (its carry alias) and the backward with and without them,
+  against the reference's values and gradients."""
+  monkeypatch.setattr(tr, "_launch", _interpreted_launch)
+  n_tok, d, h, s = 6, 320, 2, 19
+  rng = np.random.default_rng(5)
+  srcs = tuple(jnp.asarray(rng.normal(size=(n_tok, d)) * (0.5 + 0.1 * i),
+                           jnp.float32) for i in range(s))
+  query = jnp.asarray(0.5 * rng.normal(size=d), jnp.float32)
+  g = jnp.asarray(rng.normal(size=(n_tok, d)), jnp.float32)
+  cfg = tr._make_cfg(d, h, EPS, True, None, ())
+  out, lse, r = tr._fwd_local(srcs, query[None], cfg, write_r=True)
+  ones = jnp.ones((d,))
+  want, vjp = jax.vjp(lambda ss, q: reference.route(
+      list(ss), q, ones, num_heads=h, eps=EPS), srcs, query)
+  _close(np.asarray(out[0]), want)
+  _close(np.asarray(r), reference.inv_rms(jnp.stack(srcs), EPS))
+  rs = tuple(r) if given_r else None
+  c = tr._cpass_local(srcs, g, query, lse[0], cfg, rs)
+  ds, dt = tr._bwd_local(srcs, g, query, lse[0], c, cfg, rs)
+  ds_ref, dq_ref = vjp(g)
+  for got, ref in zip(ds, ds_ref):
+    _close(np.asarray(got), ref)
+  _close(np.asarray(dt), dq_ref)
+
+
+def test_sharded_route_backward_plumbing(tr, monkeypatch):
+  """``_fwd_impl(write_r=True)`` and ``_bwd_impl(rs=...)`` under a
+  (data=4, model=2) mesh of CPU devices: the inverse RMS ``[S, tokens...]``
+  leave the forward and reach the backward's kernels sharded like the
+  tokens (the kernels replaced by jnp stand-ins that check what they get)."""
+  from mhar_jax.parallel import make_mesh
+  h, d, s = 2, 16, 3
+
+  def fwd_local(srcs, t, cfg, init=None, rs=None, write_r=False):
+    assert write_r and init is None and rs is None
+    out = reference.route(list(srcs), t[0], jnp.ones((d,)), num_heads=h,
+                          eps=EPS)
+    st = jnp.stack(srcs)
+    logit = reference.inv_rms(st, EPS)[..., None] * jnp.einsum(
+        "snhc,hc->snh", st.reshape(s, -1, h, d // h), t.reshape(h, -1))
+    return (out[None], jax.nn.logsumexp(logit, 0)[None],
+            reference.inv_rms(st, EPS))
+
+  seen = []
+
+  def cpass_local(srcs, g, t, lse, cfg, rs=None):
+    seen.append([x.shape for x in rs])
+    return jnp.zeros(lse.shape)
+
+  def bwd_local(srcs, g, t, lse, c, cfg, rs=None):
+    seen.append([x.shape for x in rs])     # ds_i = the r_i it was given
+    return (tuple(jnp.broadcast_to(r[:, None], x.shape)
+                  for r, x in zip(rs, srcs)), jnp.zeros((d,)))
+
+  monkeypatch.setattr(tr, "_fwd_local", fwd_local)
+  monkeypatch.setattr(tr, "_cpass_local", cpass_local)
+  monkeypatch.setattr(tr, "_bwd_local", bwd_local)
+  mesh = make_mesh(4, 2, jax.devices()[:8])
+  rng = np.random.default_rng(4)
+  srcs = [jnp.asarray(rng.normal(size=(8, 3, d)), jnp.float32)
+          for _ in range(s)]
+  t = jnp.asarray(rng.normal(size=(1, d)), jnp.float32)
+  cfg = tr._make_cfg(d, h, EPS, True, mesh, ("data",))
+  out, lse, r = jax.jit(lambda s, t: tr._fwd_impl(s, t, cfg, write_r=True))(
+      srcs, t)
+  assert out.shape == (1, 8, 3, d) and lse.shape == (1, 8, 3, h)
+  assert r.shape == (s, 8, 3)
+  _close(np.asarray(r), reference.inv_rms(jnp.stack(srcs), EPS))
+  ds, _ = jax.jit(lambda s, g, t, lse, r: tr._bwd_impl(s, g, t, lse, None,
+                                                        cfg, r))(
+      srcs, srcs[0], t[0], lse[0], r)
+  assert seen == [[(6,)] * s] * 2     # 2 x 3 tokens a shard of the data axis
+  for x, src in zip(ds, srcs):
+    _close(np.asarray(x[..., 0]), reference.inv_rms(src, EPS))

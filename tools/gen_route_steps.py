@@ -35,8 +35,8 @@ def _load(k: int) -> str:
   return f"x{k}a, x{k}b = _load(s{k}, base, offa, mska, offb, mskb, CB)"
 
 
-def _fwd_load(k: int) -> str:
-  """The forward also loads source k's inverse RMS when it is given."""
+def _load_with_r(k: int) -> str:
+  """Source k's tile and, when it is given, its inverse RMS."""
   return _load(k) + f"\nr{k}v = _load_r(r{k}, rrow, rmask, HAS_R)"
 
 
@@ -58,30 +58,32 @@ def _steps(step, load=_load) -> str:
 
 
 def _fwd(k: int) -> str:
-  return (f"m, l, acca, accb = _fwd_step(x{k}a, x{k}b, r{k}v, ta, tb, m, l,\n"
-          f"                             acca, accb, D, EPS, PIN, CB, HAS_R)")
+  return (f"m, l, acca, accb, r{k}w = _fwd_step(\n"
+          f"    x{k}a, x{k}b, r{k}v, ta, tb, m, l, acca, accb, D, EPS, PIN, CB,\n"
+          f"    HAS_R)\n"
+          f"_store_r(r_out, {k}, N, rrow, rmask, r{k}w, WRITE_R)")
 
 
 def _cpass(k: int) -> str:
-  return (f"c = _cpass_step(x{k}a, x{k}b, ta, tb, ga, gb, lse, c, D, EPS,\n"
-          f"                PIN, CB)")
+  return (f"c = _cpass_step(x{k}a, x{k}b, r{k}v, ta, tb, ga, gb, lse, c, D,\n"
+          f"                EPS, PIN, CB, HAS_R)")
 
 
 def _bwd(k: int) -> str:
-  return (f"dta, dtb = _bwd_step(x{k}a, x{k}b, ds{k}, base, offa, mska, offb,\n"
-          f"                     mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,\n"
-          f"                     EPS, CB)")
+  return (f"dta, dtb = _bwd_step(x{k}a, x{k}b, r{k}v, ds{k}, base, offa,\n"
+          f"                     mska, offb, mskb, ta, tb, ga, gb, lse, c,\n"
+          f"                     dta, dtb, D, EPS, CB, HAS_R)")
 
 
 BLOCKS = {
     "FWD_SRC_PARAMS": (4, lambda: _names("s") + "\n" + _names("r")),
-    "CPASS_SRC_PARAMS": (4, lambda: _names("s")),
-    "BWD_SRC_PARAMS": (4, lambda: _names("s")),
+    "CPASS_SRC_PARAMS": (4, lambda: _names("s") + "\n" + _names("r")),
+    "BWD_SRC_PARAMS": (4, lambda: _names("s") + "\n" + _names("r")),
     "BWD_INIT_PARAMS": (4, lambda: _names("i")),
     "BWD_OUT_PARAMS": (4, lambda: _names("ds")),
-    "FWD_STEPS": (2, lambda: _steps(_fwd, _fwd_load)),
-    "CPASS_STEPS": (2, lambda: _steps(_cpass)),
-    "BWD_STEPS": (4, lambda: _steps(_bwd)),
+    "FWD_STEPS": (2, lambda: _steps(_fwd, _load_with_r)),
+    "CPASS_STEPS": (2, lambda: _steps(_cpass, _load_with_r)),
+    "BWD_STEPS": (4, lambda: _steps(_bwd, _load_with_r)),
 }
 
 

@@ -126,7 +126,8 @@ def main(argv=None):
   ap.add_argument("--nsrc", type=int, default=K)
   ap.add_argument("--pf", type=int, default=tr.TUNING["fwd_prefetch"])
   ap.add_argument("--warps", type=int, default=tr.TUNING["fwd_warps"])
-  ap.add_argument("--kernels", default="fwd,fwd_r,cpass,bwd,source_grad")
+  ap.add_argument("--kernels",
+                  default="fwd,fwd_r,cpass,cpass_r,bwd,bwd_r,source_grad")
   ap.add_argument("--source_grad_tuning", default="",
                   help="JSON dict merged into triton_stack.TUNING")
   a = ap.parse_args(argv)
@@ -136,13 +137,19 @@ def main(argv=None):
   common = dict(meta, NSRC=a.nsrc, PF=a.pf, BN=bn)
   runs = {
       "fwd": (tr._fwd_kernel, BF16["fwd"], dict(
-          common, INIT=0, LAST=True, HAS_R=False, G=1, PIN=True)),
+          common, INIT=0, LAST=True, HAS_R=False, WRITE_R=True, G=1,
+          PIN=True)),
       "fwd_r": (tr._fwd_kernel, BF16["fwd"], dict(
-          common, INIT=0, LAST=True, HAS_R=True, G=1, PIN=True)),
+          common, INIT=0, LAST=True, HAS_R=True, WRITE_R=False, G=1,
+          PIN=True)),
       "cpass": (tr._cpass_kernel, BF16["cpass"], dict(
-          common, FIRST=True, PIN=True)),
+          common, FIRST=True, PIN=True, HAS_R=False)),
+      "cpass_r": (tr._cpass_kernel, BF16["cpass"], dict(
+          common, FIRST=True, PIN=True, HAS_R=True)),
       "bwd": (tr._bwd_kernel, BF16["bwd"], dict(
-          common, PF=tr.TUNING["bwd_prefetch"])),
+          common, PF=tr.TUNING["bwd_prefetch"], HAS_R=False)),
+      "bwd_r": (tr._bwd_kernel, BF16["bwd"], dict(
+          common, PF=tr.TUNING["bwd_prefetch"], HAS_R=True)),
       "source_grad": (ts.source_grad_kernel, BF16["source_grad"], dict(
           tr.tile_meta(a.d, a.h), BN=ts.tokens_per_program(a.d, a.h),
           STAGES=ts.TUNING["stages"])),

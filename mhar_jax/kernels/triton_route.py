@@ -46,9 +46,11 @@ online softmax per head: ``r``, ``u``, the logit, a running max ``m``, running
 sum ``l`` and an fp32 accumulator ``acc``. With more than ``CHUNK`` sources,
 ``(m, l, acc)`` are carried between the launches in fp32 buffers (aliased in
 place); the last launch writes ``out = acc / l`` in the sources' dtype and
-``lse = m + log l`` (``[N, H]`` fp32). The only residual besides the inputs is
-``lse``: the backward recomputes ``r``, ``u`` and the weights from the sources
-it has to read anyway. The same kernel routes G sites over the same sources
+``lse = m + log l`` (``[N, H]`` fp32). The residuals besides the inputs are
+``lse`` and (``TUNING["bwd_given_r"]``) each source's ``r`` ``[N]`` fp32, which
+the forward writes so the backward kernels need no cross-warp sum of squares;
+the backward recomputes ``u`` and the weights from the sources it has to read
+anyway. The same kernel routes G sites over the same sources
 in one launch (one query per site; the G programs of a token tile are
 adjacent in the grid, so they read its sources at about the same time and
 mostly from L2), and can start from a routed result ``(out, lse)`` over
@@ -123,7 +125,11 @@ CHUNK = 16
 # summing squares across warps for every source; off, given ones are ignored.
 # Compiled for sm_90 by Triton 3.6: 103 -> 72 registers and 68 -> 20 barriers
 # at D = 1280, 128 -> 70 and 49 -> 1 at D = 1024 (tools/kernel_resources.py;
-# RESULTS.md session 10; not yet timed).
+# RESULTS.md session 10; timed in session 11: 0.74-0.76x the forward's time).
+# `bwd_given_r`: route()'s forward writes each source's inverse RMS (4 bytes a
+# token a source, saved for the backward) so the c-pass and backward kernels
+# read them instead of summing squares across warps again; off, they do.
+# Costs 4 bytes a token for every (site, source) pair of residual memory.
 # Defaults: best of the sweep on an H200 (benchmarks/ROUTING_NOTES.md; the
 # forward re-checked at D = 1280, benchmarks/RESULTS.md session 9).
 TUNING: dict = {
@@ -132,6 +138,7 @@ TUNING: dict = {
     "bwd_elems_per_thread": 16, "bwd_warps": 4, "bwd_programs_per_sm": 8,
     "bwd_prefetch": 2,
     "fwd_given_r": True,
+    "bwd_given_r": True,
 }
 # Pin the forward / c-pass accumulators in place (see `_pin`). Off under
 # Triton's interpreter, which cannot run inline asm.
@@ -248,6 +255,20 @@ def _logits(xa, xb, ta, tb, D: tl.constexpr, EPS: tl.constexpr,
 
 
 @triton.jit
+def _logits_r(xa, xb, r, ta, tb, D: tl.constexpr, EPS: tl.constexpr,
+              CB: tl.constexpr, HAS_R: tl.constexpr):
+  """:func:`_logits` with the inverse RMS ``r`` ``[BN]`` given (HAS_R: no
+  cross-warp sum of squares) or, else, computed from the tile."""
+  if HAS_R:
+    xa = xa.to(tl.float32)
+    xb = xb.to(tl.float32)
+    u = _hsum(xa * ta[None, :, :], xb * tb[None, :, :], CB)
+    return xa, xb, r, u, r[:, None] * u
+  else:
+    return _logits(xa, xb, ta, tb, D, EPS, CB)
+
+
+@triton.jit
 def _pin(x, PIN: tl.constexpr):
   """Identity the compiler does not move (a non-pure inline-asm ``mov``).
 
@@ -274,18 +295,22 @@ def _load_r(r_ptr, rrow, rmask, HAS_R: tl.constexpr):
 
 
 @triton.jit
+def _store_r(r_out, k: tl.constexpr, N, rrow, rmask, r,
+             WRITE_R: tl.constexpr):
+  """With WRITE_R, row ``k`` of ``r_out`` ``[NSRC, N]`` = a source's inverse
+  RMS ``r`` ``[BN]``."""
+  if WRITE_R:
+    tl.store(r_out + k * N + rrow, r, mask=rmask)
+
+
+@triton.jit
 def _fwd_step(xa, xb, r, ta, tb, m, l, acca, accb, D: tl.constexpr,
               EPS: tl.constexpr, PIN: tl.constexpr, CB: tl.constexpr,
               HAS_R: tl.constexpr):
-  """One source of the online softmax: updates ``(m, l, acca, accb)``. With
-  HAS_R the source's inverse RMS is ``r`` ``[BN]`` (no cross-warp sum of
-  squares); else it is computed from the tile."""
-  if HAS_R:
-    xa = xa.to(tl.float32)
-    xb = xb.to(tl.float32)
-    logit = r[:, None] * _hsum(xa * ta[None, :, :], xb * tb[None, :, :], CB)
-  else:
-    xa, xb, _, _, logit = _logits(xa, xb, ta, tb, D, EPS, CB)
+  """One source of the online softmax: updates ``(m, l, acca, accb)`` and
+  returns them with the source's inverse RMS (``r`` ``[BN]`` itself with
+  HAS_R, else computed from the tile)."""
+  xa, xb, r, _, logit = _logits_r(xa, xb, r, ta, tb, D, EPS, CB, HAS_R)
   m_new = tl.maximum(m, logit)
   alpha = tl.exp(m - m_new)
   p = tl.exp(logit - m_new)
@@ -293,7 +318,7 @@ def _fwd_step(xa, xb, r, ta, tb, m, l, acca, accb, D: tl.constexpr,
   acca = _pin(acca * alpha[:, :, None] + p[:, :, None] * xa, PIN)
   if CB > 0:
     accb = _pin(accb * alpha[:, :, None] + p[:, :, None] * xb, PIN)
-  return m_new, l, acca, accb
+  return m_new, l, acca, accb, r
 
 
 @triton.jit
@@ -305,11 +330,12 @@ def _fwd_kernel(
     r8, r9, r10, r11, r12, r13, r14, r15,
     # </gen:FWD_SRC_PARAMS>
     t_ptr, m_in, l_in, acc_in,
-    i_out, i_lse, i_m, i_l, i_acc,
+    i_out, i_lse, i_m, i_l, i_acc, i_r,
     N, I0,
-    out_ptr, lse_ptr, m_out, l_out, acc_out,
+    out_ptr, lse_ptr, m_out, l_out, acc_out, r_out,
     NSRC: tl.constexpr, INIT: tl.constexpr, LAST: tl.constexpr,
-    HAS_R: tl.constexpr, G: tl.constexpr, PF: tl.constexpr,
+    HAS_R: tl.constexpr, WRITE_R: tl.constexpr, G: tl.constexpr,
+    PF: tl.constexpr,
     PIN: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
     CA: tl.constexpr, CB: tl.constexpr, BN: tl.constexpr,
@@ -329,7 +355,9 @@ def _fwd_kernel(
   (poison buffers aliased to the outputs).
   Outputs: LAST: ``out_ptr`` ``[G, N, D]`` = acc / l in the sources' dtype
   and ``lse_ptr`` ``[G, N, H]`` = m + log l; else ``m_out``, ``l_out``,
-  ``acc_out``. Outputs a variant does not write are 1-element dummies.
+  ``acc_out``; WRITE_R (G = 1): ``r_out`` ``[NSRC, N]`` fp32, each source's
+  inverse RMS (for the backward). Outputs a variant does not write are
+  1-element dummies.
   """
   pid = tl.program_id(0)
   site = pid % G
@@ -394,8 +422,10 @@ def _fwd_kernel(
       if NSRC > 4:
         x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
         r4v = _load_r(r4, rrow, rmask, HAS_R)
-    m, l, acca, accb = _fwd_step(x0a, x0b, r0v, ta, tb, m, l,
-                                 acca, accb, D, EPS, PIN, CB, HAS_R)
+    m, l, acca, accb, r0w = _fwd_step(
+        x0a, x0b, r0v, ta, tb, m, l, acca, accb, D, EPS, PIN, CB,
+        HAS_R)
+    _store_r(r_out, 0, N, rrow, rmask, r0w, WRITE_R)
   if NSRC > 1:
     if PF == 1:
       if NSRC > 2:
@@ -413,8 +443,10 @@ def _fwd_kernel(
       if NSRC > 5:
         x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
         r5v = _load_r(r5, rrow, rmask, HAS_R)
-    m, l, acca, accb = _fwd_step(x1a, x1b, r1v, ta, tb, m, l,
-                                 acca, accb, D, EPS, PIN, CB, HAS_R)
+    m, l, acca, accb, r1w = _fwd_step(
+        x1a, x1b, r1v, ta, tb, m, l, acca, accb, D, EPS, PIN, CB,
+        HAS_R)
+    _store_r(r_out, 1, N, rrow, rmask, r1w, WRITE_R)
   if NSRC > 2:
     if PF == 1:
       if NSRC > 3:
@@ -432,8 +464,10 @@ def _fwd_kernel(
       if NSRC > 6:
         x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
         r6v = _load_r(r6, rrow, rmask, HAS_R)
-    m, l, acca, accb = _fwd_step(x2a, x2b, r2v, ta, tb, m, l,
-                                 acca, accb, D, EPS, PIN, CB, HAS_R)
+    m, l, acca, accb, r2w = _fwd_step(
+        x2a, x2b, r2v, ta, tb, m, l, acca, accb, D, EPS, PIN, CB,
+        HAS_R)
+    _store_r(r_out, 2, N, rrow, rmask, r2w, WRITE_R)
   if NSRC > 3:
     if PF == 1:
       if NSRC > 4:
@@ -451,8 +485,10 @@ def _fwd_kernel(
       if NSRC > 7:
         x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
         r7v = _load_r(r7, rrow, rmask, HAS_R)
-    m, l, acca, accb = _fwd_step(x3a, x3b, r3v, ta, tb, m, l,
-                                 acca, accb, D, EPS, PIN, CB, HAS_R)
+    m, l, acca, accb, r3w = _fwd_step(
+        x3a, x3b, r3v, ta, tb, m, l, acca, accb, D, EPS, PIN, CB,
+        HAS_R)
+    _store_r(r_out, 3, N, rrow, rmask, r3w, WRITE_R)
   if NSRC > 4:
     if PF == 1:
       if NSRC > 5:
@@ -470,8 +506,10 @@ def _fwd_kernel(
       if NSRC > 8:
         x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
         r8v = _load_r(r8, rrow, rmask, HAS_R)
-    m, l, acca, accb = _fwd_step(x4a, x4b, r4v, ta, tb, m, l,
-                                 acca, accb, D, EPS, PIN, CB, HAS_R)
+    m, l, acca, accb, r4w = _fwd_step(
+        x4a, x4b, r4v, ta, tb, m, l, acca, accb, D, EPS, PIN, CB,
+        HAS_R)
+    _store_r(r_out, 4, N, rrow, rmask, r4w, WRITE_R)
   if NSRC > 5:
     if PF == 1:
       if NSRC > 6:
@@ -489,8 +527,10 @@ def _fwd_kernel(
       if NSRC > 9:
         x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
         r9v = _load_r(r9, rrow, rmask, HAS_R)
-    m, l, acca, accb = _fwd_step(x5a, x5b, r5v, ta, tb, m, l,
-                                 acca, accb, D, EPS, PIN, CB, HAS_R)
+    m, l, acca, accb, r5w = _fwd_step(
+        x5a, x5b, r5v, ta, tb, m, l, acca, accb, D, EPS, PIN, CB,
+        HAS_R)
+    _store_r(r_out, 5, N, rrow, rmask, r5w, WRITE_R)
   if NSRC > 6:
     if PF == 1:
       if NSRC > 7:
@@ -508,8 +548,10 @@ def _fwd_kernel(
       if NSRC > 10:
         x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
         r10v = _load_r(r10, rrow, rmask, HAS_R)
-    m, l, acca, accb = _fwd_step(x6a, x6b, r6v, ta, tb, m, l,
-                                 acca, accb, D, EPS, PIN, CB, HAS_R)
+    m, l, acca, accb, r6w = _fwd_step(
+        x6a, x6b, r6v, ta, tb, m, l, acca, accb, D, EPS, PIN, CB,
+        HAS_R)
+    _store_r(r_out, 6, N, rrow, rmask, r6w, WRITE_R)
   if NSRC > 7:
     if PF == 1:
       if NSRC > 8:
@@ -527,8 +569,10 @@ def _fwd_kernel(
       if NSRC > 11:
         x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
         r11v = _load_r(r11, rrow, rmask, HAS_R)
-    m, l, acca, accb = _fwd_step(x7a, x7b, r7v, ta, tb, m, l,
-                                 acca, accb, D, EPS, PIN, CB, HAS_R)
+    m, l, acca, accb, r7w = _fwd_step(
+        x7a, x7b, r7v, ta, tb, m, l, acca, accb, D, EPS, PIN, CB,
+        HAS_R)
+    _store_r(r_out, 7, N, rrow, rmask, r7w, WRITE_R)
   if NSRC > 8:
     if PF == 1:
       if NSRC > 9:
@@ -546,8 +590,10 @@ def _fwd_kernel(
       if NSRC > 12:
         x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
         r12v = _load_r(r12, rrow, rmask, HAS_R)
-    m, l, acca, accb = _fwd_step(x8a, x8b, r8v, ta, tb, m, l,
-                                 acca, accb, D, EPS, PIN, CB, HAS_R)
+    m, l, acca, accb, r8w = _fwd_step(
+        x8a, x8b, r8v, ta, tb, m, l, acca, accb, D, EPS, PIN, CB,
+        HAS_R)
+    _store_r(r_out, 8, N, rrow, rmask, r8w, WRITE_R)
   if NSRC > 9:
     if PF == 1:
       if NSRC > 10:
@@ -565,8 +611,10 @@ def _fwd_kernel(
       if NSRC > 13:
         x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
         r13v = _load_r(r13, rrow, rmask, HAS_R)
-    m, l, acca, accb = _fwd_step(x9a, x9b, r9v, ta, tb, m, l,
-                                 acca, accb, D, EPS, PIN, CB, HAS_R)
+    m, l, acca, accb, r9w = _fwd_step(
+        x9a, x9b, r9v, ta, tb, m, l, acca, accb, D, EPS, PIN, CB,
+        HAS_R)
+    _store_r(r_out, 9, N, rrow, rmask, r9w, WRITE_R)
   if NSRC > 10:
     if PF == 1:
       if NSRC > 11:
@@ -584,8 +632,10 @@ def _fwd_kernel(
       if NSRC > 14:
         x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
         r14v = _load_r(r14, rrow, rmask, HAS_R)
-    m, l, acca, accb = _fwd_step(x10a, x10b, r10v, ta, tb, m, l,
-                                 acca, accb, D, EPS, PIN, CB, HAS_R)
+    m, l, acca, accb, r10w = _fwd_step(
+        x10a, x10b, r10v, ta, tb, m, l, acca, accb, D, EPS, PIN, CB,
+        HAS_R)
+    _store_r(r_out, 10, N, rrow, rmask, r10w, WRITE_R)
   if NSRC > 11:
     if PF == 1:
       if NSRC > 12:
@@ -603,8 +653,10 @@ def _fwd_kernel(
       if NSRC > 15:
         x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
         r15v = _load_r(r15, rrow, rmask, HAS_R)
-    m, l, acca, accb = _fwd_step(x11a, x11b, r11v, ta, tb, m, l,
-                                 acca, accb, D, EPS, PIN, CB, HAS_R)
+    m, l, acca, accb, r11w = _fwd_step(
+        x11a, x11b, r11v, ta, tb, m, l, acca, accb, D, EPS, PIN, CB,
+        HAS_R)
+    _store_r(r_out, 11, N, rrow, rmask, r11w, WRITE_R)
   if NSRC > 12:
     if PF == 1:
       if NSRC > 13:
@@ -618,8 +670,10 @@ def _fwd_kernel(
       if NSRC > 15:
         x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
         r15v = _load_r(r15, rrow, rmask, HAS_R)
-    m, l, acca, accb = _fwd_step(x12a, x12b, r12v, ta, tb, m, l,
-                                 acca, accb, D, EPS, PIN, CB, HAS_R)
+    m, l, acca, accb, r12w = _fwd_step(
+        x12a, x12b, r12v, ta, tb, m, l, acca, accb, D, EPS, PIN, CB,
+        HAS_R)
+    _store_r(r_out, 12, N, rrow, rmask, r12w, WRITE_R)
   if NSRC > 13:
     if PF == 1:
       if NSRC > 14:
@@ -629,18 +683,24 @@ def _fwd_kernel(
       if NSRC > 15:
         x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
         r15v = _load_r(r15, rrow, rmask, HAS_R)
-    m, l, acca, accb = _fwd_step(x13a, x13b, r13v, ta, tb, m, l,
-                                 acca, accb, D, EPS, PIN, CB, HAS_R)
+    m, l, acca, accb, r13w = _fwd_step(
+        x13a, x13b, r13v, ta, tb, m, l, acca, accb, D, EPS, PIN, CB,
+        HAS_R)
+    _store_r(r_out, 13, N, rrow, rmask, r13w, WRITE_R)
   if NSRC > 14:
     if PF == 1:
       if NSRC > 15:
         x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
         r15v = _load_r(r15, rrow, rmask, HAS_R)
-    m, l, acca, accb = _fwd_step(x14a, x14b, r14v, ta, tb, m, l,
-                                 acca, accb, D, EPS, PIN, CB, HAS_R)
+    m, l, acca, accb, r14w = _fwd_step(
+        x14a, x14b, r14v, ta, tb, m, l, acca, accb, D, EPS, PIN, CB,
+        HAS_R)
+    _store_r(r_out, 14, N, rrow, rmask, r14w, WRITE_R)
   if NSRC > 15:
-    m, l, acca, accb = _fwd_step(x15a, x15b, r15v, ta, tb, m, l,
-                                 acca, accb, D, EPS, PIN, CB, HAS_R)
+    m, l, acca, accb, r15w = _fwd_step(
+        x15a, x15b, r15v, ta, tb, m, l, acca, accb, D, EPS, PIN, CB,
+        HAS_R)
+    _store_r(r_out, 15, N, rrow, rmask, r15w, WRITE_R)
   # </gen:FWD_STEPS>
   if LAST:
     inv = 1.0 / l[:, :, None]
@@ -654,10 +714,11 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _cpass_step(xa, xb, ta, tb, ga, gb, lse, c, D: tl.constexpr,
-                EPS: tl.constexpr, PIN: tl.constexpr, CB: tl.constexpr):
-  """``c += w_i * <g, s_i>`` per head."""
-  xa, xb, r, u, logit = _logits(xa, xb, ta, tb, D, EPS, CB)
+def _cpass_step(xa, xb, r, ta, tb, ga, gb, lse, c, D: tl.constexpr,
+                EPS: tl.constexpr, PIN: tl.constexpr, CB: tl.constexpr,
+                HAS_R: tl.constexpr):
+  """``c += w_i * <g, s_i>`` per head (``r``: see :func:`_logits_r`)."""
+  xa, xb, r, u, logit = _logits_r(xa, xb, r, ta, tb, D, EPS, CB, HAS_R)
   w = tl.exp(logit - lse)
   return _pin(c + w * _hsum(ga * xa, gb * xb, CB), PIN)
 
@@ -667,26 +728,31 @@ def _cpass_kernel(
     # <gen:CPASS_SRC_PARAMS>
     s0, s1, s2, s3, s4, s5, s6, s7,
     s8, s9, s10, s11, s12, s13, s14, s15,
+    r0, r1, r2, r3, r4, r5, r6, r7,
+    r8, r9, r10, r11, r12, r13, r14, r15,
     # </gen:CPASS_SRC_PARAMS>
     g_ptr, t_ptr, lse_ptr, c_in,
     i_c,
     N,
     c_out,
     NSRC: tl.constexpr, FIRST: tl.constexpr, PF: tl.constexpr,
-    PIN: tl.constexpr,
+    PIN: tl.constexpr, HAS_R: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
     CA: tl.constexpr, CB: tl.constexpr, BN: tl.constexpr,
     EPS: tl.constexpr):
   """Backward pass 1 (grid: cdiv(N, BN)): ``c = sum_i w_i <g, s_i>_h``.
 
-  Inputs: ``s*`` ``[N, D]``, ``g_ptr`` ``[N, D]`` (d out), ``t_ptr`` ``[D]``,
-  ``lse_ptr`` ``[N, H]``, and unless FIRST ``c_in`` ``[N, H]`` (the sum over
-  earlier chunks). Output ``c_out`` ``[N, H]`` fp32.
+  Inputs: ``s*`` ``[N, D]``; with HAS_R ``r*`` ``[N]`` fp32, their inverse
+  RMS (else unused and computed here); ``g_ptr`` ``[N, D]`` (d out),
+  ``t_ptr`` ``[D]``, ``lse_ptr`` ``[N, H]``, and unless FIRST ``c_in``
+  ``[N, H]`` (the sum over earlier chunks). Output ``c_out`` ``[N, H]`` fp32.
   """
   pid = tl.program_id(0)
   cola, cmska, colb, cmskb = _cols(H, C, HP, CA, CB)
   base, offa, mska, offb, mskb, hbase, hoff, hmask = _rows(
       pid, N, cola, cmska, colb, cmskb, D, H, HP, BN)
+  rrow = pid * BN + tl.arange(0, BN)
+  rmask = rrow < N
   ta, tb = _load(t_ptr, 0, cola, cmska, colb, cmskb, CB)
   ga, gb = _load(g_ptr, base, offa, mska, offb, mskb, CB)
   ga = ga.to(tl.float32)
@@ -700,235 +766,294 @@ def _cpass_kernel(
   if PF > 0:
     if NSRC > 0:
       x0a, x0b = _load(s0, base, offa, mska, offb, mskb, CB)
+      r0v = _load_r(r0, rrow, rmask, HAS_R)
   if PF > 1:
     if NSRC > 1:
       x1a, x1b = _load(s1, base, offa, mska, offb, mskb, CB)
+      r1v = _load_r(r1, rrow, rmask, HAS_R)
   if PF > 2:
     if NSRC > 2:
       x2a, x2b = _load(s2, base, offa, mska, offb, mskb, CB)
+      r2v = _load_r(r2, rrow, rmask, HAS_R)
   if PF > 3:
     if NSRC > 3:
       x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
+      r3v = _load_r(r3, rrow, rmask, HAS_R)
   if NSRC > 0:
     if PF == 1:
       if NSRC > 1:
         x1a, x1b = _load(s1, base, offa, mska, offb, mskb, CB)
+        r1v = _load_r(r1, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 2:
         x2a, x2b = _load(s2, base, offa, mska, offb, mskb, CB)
+        r2v = _load_r(r2, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 3:
         x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
+        r3v = _load_r(r3, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 4:
         x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
-    c = _cpass_step(x0a, x0b, ta, tb, ga, gb, lse, c, D, EPS,
-                    PIN, CB)
+        r4v = _load_r(r4, rrow, rmask, HAS_R)
+    c = _cpass_step(x0a, x0b, r0v, ta, tb, ga, gb, lse, c, D,
+                    EPS, PIN, CB, HAS_R)
   if NSRC > 1:
     if PF == 1:
       if NSRC > 2:
         x2a, x2b = _load(s2, base, offa, mska, offb, mskb, CB)
+        r2v = _load_r(r2, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 3:
         x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
+        r3v = _load_r(r3, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 4:
         x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
+        r4v = _load_r(r4, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 5:
         x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
-    c = _cpass_step(x1a, x1b, ta, tb, ga, gb, lse, c, D, EPS,
-                    PIN, CB)
+        r5v = _load_r(r5, rrow, rmask, HAS_R)
+    c = _cpass_step(x1a, x1b, r1v, ta, tb, ga, gb, lse, c, D,
+                    EPS, PIN, CB, HAS_R)
   if NSRC > 2:
     if PF == 1:
       if NSRC > 3:
         x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
+        r3v = _load_r(r3, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 4:
         x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
+        r4v = _load_r(r4, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 5:
         x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
+        r5v = _load_r(r5, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 6:
         x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
-    c = _cpass_step(x2a, x2b, ta, tb, ga, gb, lse, c, D, EPS,
-                    PIN, CB)
+        r6v = _load_r(r6, rrow, rmask, HAS_R)
+    c = _cpass_step(x2a, x2b, r2v, ta, tb, ga, gb, lse, c, D,
+                    EPS, PIN, CB, HAS_R)
   if NSRC > 3:
     if PF == 1:
       if NSRC > 4:
         x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
+        r4v = _load_r(r4, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 5:
         x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
+        r5v = _load_r(r5, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 6:
         x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
+        r6v = _load_r(r6, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 7:
         x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
-    c = _cpass_step(x3a, x3b, ta, tb, ga, gb, lse, c, D, EPS,
-                    PIN, CB)
+        r7v = _load_r(r7, rrow, rmask, HAS_R)
+    c = _cpass_step(x3a, x3b, r3v, ta, tb, ga, gb, lse, c, D,
+                    EPS, PIN, CB, HAS_R)
   if NSRC > 4:
     if PF == 1:
       if NSRC > 5:
         x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
+        r5v = _load_r(r5, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 6:
         x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
+        r6v = _load_r(r6, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 7:
         x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
+        r7v = _load_r(r7, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 8:
         x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
-    c = _cpass_step(x4a, x4b, ta, tb, ga, gb, lse, c, D, EPS,
-                    PIN, CB)
+        r8v = _load_r(r8, rrow, rmask, HAS_R)
+    c = _cpass_step(x4a, x4b, r4v, ta, tb, ga, gb, lse, c, D,
+                    EPS, PIN, CB, HAS_R)
   if NSRC > 5:
     if PF == 1:
       if NSRC > 6:
         x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
+        r6v = _load_r(r6, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 7:
         x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
+        r7v = _load_r(r7, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 8:
         x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
+        r8v = _load_r(r8, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 9:
         x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
-    c = _cpass_step(x5a, x5b, ta, tb, ga, gb, lse, c, D, EPS,
-                    PIN, CB)
+        r9v = _load_r(r9, rrow, rmask, HAS_R)
+    c = _cpass_step(x5a, x5b, r5v, ta, tb, ga, gb, lse, c, D,
+                    EPS, PIN, CB, HAS_R)
   if NSRC > 6:
     if PF == 1:
       if NSRC > 7:
         x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
+        r7v = _load_r(r7, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 8:
         x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
+        r8v = _load_r(r8, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 9:
         x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
+        r9v = _load_r(r9, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 10:
         x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
-    c = _cpass_step(x6a, x6b, ta, tb, ga, gb, lse, c, D, EPS,
-                    PIN, CB)
+        r10v = _load_r(r10, rrow, rmask, HAS_R)
+    c = _cpass_step(x6a, x6b, r6v, ta, tb, ga, gb, lse, c, D,
+                    EPS, PIN, CB, HAS_R)
   if NSRC > 7:
     if PF == 1:
       if NSRC > 8:
         x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
+        r8v = _load_r(r8, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 9:
         x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
+        r9v = _load_r(r9, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 10:
         x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
+        r10v = _load_r(r10, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 11:
         x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
-    c = _cpass_step(x7a, x7b, ta, tb, ga, gb, lse, c, D, EPS,
-                    PIN, CB)
+        r11v = _load_r(r11, rrow, rmask, HAS_R)
+    c = _cpass_step(x7a, x7b, r7v, ta, tb, ga, gb, lse, c, D,
+                    EPS, PIN, CB, HAS_R)
   if NSRC > 8:
     if PF == 1:
       if NSRC > 9:
         x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
+        r9v = _load_r(r9, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 10:
         x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
+        r10v = _load_r(r10, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 11:
         x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
+        r11v = _load_r(r11, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 12:
         x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
-    c = _cpass_step(x8a, x8b, ta, tb, ga, gb, lse, c, D, EPS,
-                    PIN, CB)
+        r12v = _load_r(r12, rrow, rmask, HAS_R)
+    c = _cpass_step(x8a, x8b, r8v, ta, tb, ga, gb, lse, c, D,
+                    EPS, PIN, CB, HAS_R)
   if NSRC > 9:
     if PF == 1:
       if NSRC > 10:
         x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
+        r10v = _load_r(r10, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 11:
         x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
+        r11v = _load_r(r11, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 12:
         x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
+        r12v = _load_r(r12, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 13:
         x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
-    c = _cpass_step(x9a, x9b, ta, tb, ga, gb, lse, c, D, EPS,
-                    PIN, CB)
+        r13v = _load_r(r13, rrow, rmask, HAS_R)
+    c = _cpass_step(x9a, x9b, r9v, ta, tb, ga, gb, lse, c, D,
+                    EPS, PIN, CB, HAS_R)
   if NSRC > 10:
     if PF == 1:
       if NSRC > 11:
         x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
+        r11v = _load_r(r11, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 12:
         x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
+        r12v = _load_r(r12, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 13:
         x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
+        r13v = _load_r(r13, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 14:
         x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
-    c = _cpass_step(x10a, x10b, ta, tb, ga, gb, lse, c, D, EPS,
-                    PIN, CB)
+        r14v = _load_r(r14, rrow, rmask, HAS_R)
+    c = _cpass_step(x10a, x10b, r10v, ta, tb, ga, gb, lse, c, D,
+                    EPS, PIN, CB, HAS_R)
   if NSRC > 11:
     if PF == 1:
       if NSRC > 12:
         x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
+        r12v = _load_r(r12, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 13:
         x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
+        r13v = _load_r(r13, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 14:
         x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
+        r14v = _load_r(r14, rrow, rmask, HAS_R)
     if PF == 4:
       if NSRC > 15:
         x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
-    c = _cpass_step(x11a, x11b, ta, tb, ga, gb, lse, c, D, EPS,
-                    PIN, CB)
+        r15v = _load_r(r15, rrow, rmask, HAS_R)
+    c = _cpass_step(x11a, x11b, r11v, ta, tb, ga, gb, lse, c, D,
+                    EPS, PIN, CB, HAS_R)
   if NSRC > 12:
     if PF == 1:
       if NSRC > 13:
         x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
+        r13v = _load_r(r13, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 14:
         x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
+        r14v = _load_r(r14, rrow, rmask, HAS_R)
     if PF == 3:
       if NSRC > 15:
         x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
-    c = _cpass_step(x12a, x12b, ta, tb, ga, gb, lse, c, D, EPS,
-                    PIN, CB)
+        r15v = _load_r(r15, rrow, rmask, HAS_R)
+    c = _cpass_step(x12a, x12b, r12v, ta, tb, ga, gb, lse, c, D,
+                    EPS, PIN, CB, HAS_R)
   if NSRC > 13:
     if PF == 1:
       if NSRC > 14:
         x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
+        r14v = _load_r(r14, rrow, rmask, HAS_R)
     if PF == 2:
       if NSRC > 15:
         x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
-    c = _cpass_step(x13a, x13b, ta, tb, ga, gb, lse, c, D, EPS,
-                    PIN, CB)
+        r15v = _load_r(r15, rrow, rmask, HAS_R)
+    c = _cpass_step(x13a, x13b, r13v, ta, tb, ga, gb, lse, c, D,
+                    EPS, PIN, CB, HAS_R)
   if NSRC > 14:
     if PF == 1:
       if NSRC > 15:
         x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
-    c = _cpass_step(x14a, x14b, ta, tb, ga, gb, lse, c, D, EPS,
-                    PIN, CB)
+        r15v = _load_r(r15, rrow, rmask, HAS_R)
+    c = _cpass_step(x14a, x14b, r14v, ta, tb, ga, gb, lse, c, D,
+                    EPS, PIN, CB, HAS_R)
   if NSRC > 15:
-    c = _cpass_step(x15a, x15b, ta, tb, ga, gb, lse, c, D, EPS,
-                    PIN, CB)
+    c = _cpass_step(x15a, x15b, r15v, ta, tb, ga, gb, lse, c, D,
+                    EPS, PIN, CB, HAS_R)
   # </gen:CPASS_STEPS>
   tl.store(c_out + hbase + hoff, c, mask=hmask)
 
 
 @triton.jit
-def _bwd_step(xa, xb, ds_ptr, base, offa, mska, offb, mskb, ta, tb, ga, gb,
-              lse, c, dta, dtb, D: tl.constexpr, EPS: tl.constexpr,
-              CB: tl.constexpr):
-  """Writes ``ds_i`` for one tile; returns ``dt + du_i * s_i`` (both parts)."""
-  xa, xb, r, u, logit = _logits(xa, xb, ta, tb, D, EPS, CB)
+def _bwd_step(xa, xb, r, ds_ptr, base, offa, mska, offb, mskb, ta, tb, ga,
+              gb, lse, c, dta, dtb, D: tl.constexpr, EPS: tl.constexpr,
+              CB: tl.constexpr, HAS_R: tl.constexpr):
+  """Writes ``ds_i`` for one tile; returns ``dt + du_i * s_i`` (both parts)
+  (``r``: see :func:`_logits_r`)."""
+  xa, xb, r, u, logit = _logits_r(xa, xb, r, ta, tb, D, EPS, CB, HAS_R)
   w = tl.exp(logit - lse)
   dw = _hsum(ga * xa, gb * xb, CB)
   dl = w * (dw - c)
@@ -951,6 +1076,8 @@ def _bwd_kernel(
     # <gen:BWD_SRC_PARAMS>
     s0, s1, s2, s3, s4, s5, s6, s7,
     s8, s9, s10, s11, s12, s13, s14, s15,
+    r0, r1, r2, r3, r4, r5, r6, r7,
+    r8, r9, r10, r11, r12, r13, r14, r15,
     # </gen:BWD_SRC_PARAMS>
     g_ptr, t_ptr, lse_ptr, c_ptr,
     # <gen:BWD_INIT_PARAMS>
@@ -964,14 +1091,15 @@ def _bwd_kernel(
     ds8, ds9, ds10, ds11, ds12, ds13, ds14, ds15,
     # </gen:BWD_OUT_PARAMS>
     dt_ptr,
-    NSRC: tl.constexpr, PF: tl.constexpr,
+    NSRC: tl.constexpr, PF: tl.constexpr, HAS_R: tl.constexpr,
     D: tl.constexpr, H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
     CA: tl.constexpr, CB: tl.constexpr, BN: tl.constexpr,
     EPS: tl.constexpr):
   """Backward pass 2 (persistent grid of P programs over cdiv(N, BN) tiles).
 
-  Inputs: ``s*`` ``[N, D]``, ``g_ptr`` ``[N, D]``, ``t_ptr`` ``[D]``,
-  ``lse_ptr`` and ``c_ptr`` ``[N, H]`` fp32. Outputs: ``ds*`` ``[N, D]`` in
+  Inputs: ``s*`` ``[N, D]``; with HAS_R ``r*`` ``[N]`` fp32 (as for the
+  c-pass); ``g_ptr`` ``[N, D]``, ``t_ptr`` ``[D]``, ``lse_ptr`` and ``c_ptr``
+  ``[N, H]`` fp32. Outputs: ``ds*`` ``[N, D]`` in
   the sources' dtype (d source_i) and ``dt_ptr`` ``[P, D]`` fp32, each
   program's partial sum of ``du_i * s_i`` over its tokens and sources.
   """
@@ -984,6 +1112,8 @@ def _bwd_kernel(
     tile = pid + k * nprog
     base, offa, mska, offb, mskb, hbase, hoff, hmask = _rows(
         tile, N, cola, cmska, colb, cmskb, D, H, HP, BN)
+    rrow = tile * BN + tl.arange(0, BN)
+    rmask = rrow < N
     ga, gb = _load(g_ptr, base, offa, mska, offb, mskb, CB)
     ga = ga.to(tl.float32)
     gb = gb.to(tl.float32)
@@ -993,241 +1123,299 @@ def _bwd_kernel(
     if PF > 0:
       if NSRC > 0:
         x0a, x0b = _load(s0, base, offa, mska, offb, mskb, CB)
+        r0v = _load_r(r0, rrow, rmask, HAS_R)
     if PF > 1:
       if NSRC > 1:
         x1a, x1b = _load(s1, base, offa, mska, offb, mskb, CB)
+        r1v = _load_r(r1, rrow, rmask, HAS_R)
     if PF > 2:
       if NSRC > 2:
         x2a, x2b = _load(s2, base, offa, mska, offb, mskb, CB)
+        r2v = _load_r(r2, rrow, rmask, HAS_R)
     if PF > 3:
       if NSRC > 3:
         x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
+        r3v = _load_r(r3, rrow, rmask, HAS_R)
     if NSRC > 0:
       if PF == 1:
         if NSRC > 1:
           x1a, x1b = _load(s1, base, offa, mska, offb, mskb, CB)
+          r1v = _load_r(r1, rrow, rmask, HAS_R)
       if PF == 2:
         if NSRC > 2:
           x2a, x2b = _load(s2, base, offa, mska, offb, mskb, CB)
+          r2v = _load_r(r2, rrow, rmask, HAS_R)
       if PF == 3:
         if NSRC > 3:
           x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
+          r3v = _load_r(r3, rrow, rmask, HAS_R)
       if PF == 4:
         if NSRC > 4:
           x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
-      dta, dtb = _bwd_step(x0a, x0b, ds0, base, offa, mska, offb,
-                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
-                           EPS, CB)
+          r4v = _load_r(r4, rrow, rmask, HAS_R)
+      dta, dtb = _bwd_step(x0a, x0b, r0v, ds0, base, offa,
+                           mska, offb, mskb, ta, tb, ga, gb, lse, c,
+                           dta, dtb, D, EPS, CB, HAS_R)
     if NSRC > 1:
       if PF == 1:
         if NSRC > 2:
           x2a, x2b = _load(s2, base, offa, mska, offb, mskb, CB)
+          r2v = _load_r(r2, rrow, rmask, HAS_R)
       if PF == 2:
         if NSRC > 3:
           x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
+          r3v = _load_r(r3, rrow, rmask, HAS_R)
       if PF == 3:
         if NSRC > 4:
           x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
+          r4v = _load_r(r4, rrow, rmask, HAS_R)
       if PF == 4:
         if NSRC > 5:
           x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
-      dta, dtb = _bwd_step(x1a, x1b, ds1, base, offa, mska, offb,
-                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
-                           EPS, CB)
+          r5v = _load_r(r5, rrow, rmask, HAS_R)
+      dta, dtb = _bwd_step(x1a, x1b, r1v, ds1, base, offa,
+                           mska, offb, mskb, ta, tb, ga, gb, lse, c,
+                           dta, dtb, D, EPS, CB, HAS_R)
     if NSRC > 2:
       if PF == 1:
         if NSRC > 3:
           x3a, x3b = _load(s3, base, offa, mska, offb, mskb, CB)
+          r3v = _load_r(r3, rrow, rmask, HAS_R)
       if PF == 2:
         if NSRC > 4:
           x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
+          r4v = _load_r(r4, rrow, rmask, HAS_R)
       if PF == 3:
         if NSRC > 5:
           x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
+          r5v = _load_r(r5, rrow, rmask, HAS_R)
       if PF == 4:
         if NSRC > 6:
           x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
-      dta, dtb = _bwd_step(x2a, x2b, ds2, base, offa, mska, offb,
-                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
-                           EPS, CB)
+          r6v = _load_r(r6, rrow, rmask, HAS_R)
+      dta, dtb = _bwd_step(x2a, x2b, r2v, ds2, base, offa,
+                           mska, offb, mskb, ta, tb, ga, gb, lse, c,
+                           dta, dtb, D, EPS, CB, HAS_R)
     if NSRC > 3:
       if PF == 1:
         if NSRC > 4:
           x4a, x4b = _load(s4, base, offa, mska, offb, mskb, CB)
+          r4v = _load_r(r4, rrow, rmask, HAS_R)
       if PF == 2:
         if NSRC > 5:
           x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
+          r5v = _load_r(r5, rrow, rmask, HAS_R)
       if PF == 3:
         if NSRC > 6:
           x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
+          r6v = _load_r(r6, rrow, rmask, HAS_R)
       if PF == 4:
         if NSRC > 7:
           x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
-      dta, dtb = _bwd_step(x3a, x3b, ds3, base, offa, mska, offb,
-                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
-                           EPS, CB)
+          r7v = _load_r(r7, rrow, rmask, HAS_R)
+      dta, dtb = _bwd_step(x3a, x3b, r3v, ds3, base, offa,
+                           mska, offb, mskb, ta, tb, ga, gb, lse, c,
+                           dta, dtb, D, EPS, CB, HAS_R)
     if NSRC > 4:
       if PF == 1:
         if NSRC > 5:
           x5a, x5b = _load(s5, base, offa, mska, offb, mskb, CB)
+          r5v = _load_r(r5, rrow, rmask, HAS_R)
       if PF == 2:
         if NSRC > 6:
           x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
+          r6v = _load_r(r6, rrow, rmask, HAS_R)
       if PF == 3:
         if NSRC > 7:
           x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
+          r7v = _load_r(r7, rrow, rmask, HAS_R)
       if PF == 4:
         if NSRC > 8:
           x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
-      dta, dtb = _bwd_step(x4a, x4b, ds4, base, offa, mska, offb,
-                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
-                           EPS, CB)
+          r8v = _load_r(r8, rrow, rmask, HAS_R)
+      dta, dtb = _bwd_step(x4a, x4b, r4v, ds4, base, offa,
+                           mska, offb, mskb, ta, tb, ga, gb, lse, c,
+                           dta, dtb, D, EPS, CB, HAS_R)
     if NSRC > 5:
       if PF == 1:
         if NSRC > 6:
           x6a, x6b = _load(s6, base, offa, mska, offb, mskb, CB)
+          r6v = _load_r(r6, rrow, rmask, HAS_R)
       if PF == 2:
         if NSRC > 7:
           x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
+          r7v = _load_r(r7, rrow, rmask, HAS_R)
       if PF == 3:
         if NSRC > 8:
           x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
+          r8v = _load_r(r8, rrow, rmask, HAS_R)
       if PF == 4:
         if NSRC > 9:
           x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
-      dta, dtb = _bwd_step(x5a, x5b, ds5, base, offa, mska, offb,
-                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
-                           EPS, CB)
+          r9v = _load_r(r9, rrow, rmask, HAS_R)
+      dta, dtb = _bwd_step(x5a, x5b, r5v, ds5, base, offa,
+                           mska, offb, mskb, ta, tb, ga, gb, lse, c,
+                           dta, dtb, D, EPS, CB, HAS_R)
     if NSRC > 6:
       if PF == 1:
         if NSRC > 7:
           x7a, x7b = _load(s7, base, offa, mska, offb, mskb, CB)
+          r7v = _load_r(r7, rrow, rmask, HAS_R)
       if PF == 2:
         if NSRC > 8:
           x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
+          r8v = _load_r(r8, rrow, rmask, HAS_R)
       if PF == 3:
         if NSRC > 9:
           x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
+          r9v = _load_r(r9, rrow, rmask, HAS_R)
       if PF == 4:
         if NSRC > 10:
           x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
-      dta, dtb = _bwd_step(x6a, x6b, ds6, base, offa, mska, offb,
-                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
-                           EPS, CB)
+          r10v = _load_r(r10, rrow, rmask, HAS_R)
+      dta, dtb = _bwd_step(x6a, x6b, r6v, ds6, base, offa,
+                           mska, offb, mskb, ta, tb, ga, gb, lse, c,
+                           dta, dtb, D, EPS, CB, HAS_R)
     if NSRC > 7:
       if PF == 1:
         if NSRC > 8:
           x8a, x8b = _load(s8, base, offa, mska, offb, mskb, CB)
+          r8v = _load_r(r8, rrow, rmask, HAS_R)
       if PF == 2:
         if NSRC > 9:
           x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
+          r9v = _load_r(r9, rrow, rmask, HAS_R)
       if PF == 3:
         if NSRC > 10:
           x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
+          r10v = _load_r(r10, rrow, rmask, HAS_R)
       if PF == 4:
         if NSRC > 11:
           x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
-      dta, dtb = _bwd_step(x7a, x7b, ds7, base, offa, mska, offb,
-                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
-                           EPS, CB)
+          r11v = _load_r(r11, rrow, rmask, HAS_R)
+      dta, dtb = _bwd_step(x7a, x7b, r7v, ds7, base, offa,
+                           mska, offb, mskb, ta, tb, ga, gb, lse, c,
+                           dta, dtb, D, EPS, CB, HAS_R)
     if NSRC > 8:
       if PF == 1:
         if NSRC > 9:
           x9a, x9b = _load(s9, base, offa, mska, offb, mskb, CB)
+          r9v = _load_r(r9, rrow, rmask, HAS_R)
       if PF == 2:
         if NSRC > 10:
           x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
+          r10v = _load_r(r10, rrow, rmask, HAS_R)
       if PF == 3:
         if NSRC > 11:
           x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
+          r11v = _load_r(r11, rrow, rmask, HAS_R)
       if PF == 4:
         if NSRC > 12:
           x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
-      dta, dtb = _bwd_step(x8a, x8b, ds8, base, offa, mska, offb,
-                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
-                           EPS, CB)
+          r12v = _load_r(r12, rrow, rmask, HAS_R)
+      dta, dtb = _bwd_step(x8a, x8b, r8v, ds8, base, offa,
+                           mska, offb, mskb, ta, tb, ga, gb, lse, c,
+                           dta, dtb, D, EPS, CB, HAS_R)
     if NSRC > 9:
       if PF == 1:
         if NSRC > 10:
           x10a, x10b = _load(s10, base, offa, mska, offb, mskb, CB)
+          r10v = _load_r(r10, rrow, rmask, HAS_R)
       if PF == 2:
         if NSRC > 11:
           x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
+          r11v = _load_r(r11, rrow, rmask, HAS_R)
       if PF == 3:
         if NSRC > 12:
           x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
+          r12v = _load_r(r12, rrow, rmask, HAS_R)
       if PF == 4:
         if NSRC > 13:
           x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
-      dta, dtb = _bwd_step(x9a, x9b, ds9, base, offa, mska, offb,
-                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
-                           EPS, CB)
+          r13v = _load_r(r13, rrow, rmask, HAS_R)
+      dta, dtb = _bwd_step(x9a, x9b, r9v, ds9, base, offa,
+                           mska, offb, mskb, ta, tb, ga, gb, lse, c,
+                           dta, dtb, D, EPS, CB, HAS_R)
     if NSRC > 10:
       if PF == 1:
         if NSRC > 11:
           x11a, x11b = _load(s11, base, offa, mska, offb, mskb, CB)
+          r11v = _load_r(r11, rrow, rmask, HAS_R)
       if PF == 2:
         if NSRC > 12:
           x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
+          r12v = _load_r(r12, rrow, rmask, HAS_R)
       if PF == 3:
         if NSRC > 13:
           x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
+          r13v = _load_r(r13, rrow, rmask, HAS_R)
       if PF == 4:
         if NSRC > 14:
           x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
-      dta, dtb = _bwd_step(x10a, x10b, ds10, base, offa, mska, offb,
-                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
-                           EPS, CB)
+          r14v = _load_r(r14, rrow, rmask, HAS_R)
+      dta, dtb = _bwd_step(x10a, x10b, r10v, ds10, base, offa,
+                           mska, offb, mskb, ta, tb, ga, gb, lse, c,
+                           dta, dtb, D, EPS, CB, HAS_R)
     if NSRC > 11:
       if PF == 1:
         if NSRC > 12:
           x12a, x12b = _load(s12, base, offa, mska, offb, mskb, CB)
+          r12v = _load_r(r12, rrow, rmask, HAS_R)
       if PF == 2:
         if NSRC > 13:
           x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
+          r13v = _load_r(r13, rrow, rmask, HAS_R)
       if PF == 3:
         if NSRC > 14:
           x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
+          r14v = _load_r(r14, rrow, rmask, HAS_R)
       if PF == 4:
         if NSRC > 15:
           x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
-      dta, dtb = _bwd_step(x11a, x11b, ds11, base, offa, mska, offb,
-                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
-                           EPS, CB)
+          r15v = _load_r(r15, rrow, rmask, HAS_R)
+      dta, dtb = _bwd_step(x11a, x11b, r11v, ds11, base, offa,
+                           mska, offb, mskb, ta, tb, ga, gb, lse, c,
+                           dta, dtb, D, EPS, CB, HAS_R)
     if NSRC > 12:
       if PF == 1:
         if NSRC > 13:
           x13a, x13b = _load(s13, base, offa, mska, offb, mskb, CB)
+          r13v = _load_r(r13, rrow, rmask, HAS_R)
       if PF == 2:
         if NSRC > 14:
           x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
+          r14v = _load_r(r14, rrow, rmask, HAS_R)
       if PF == 3:
         if NSRC > 15:
           x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
-      dta, dtb = _bwd_step(x12a, x12b, ds12, base, offa, mska, offb,
-                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
-                           EPS, CB)
+          r15v = _load_r(r15, rrow, rmask, HAS_R)
+      dta, dtb = _bwd_step(x12a, x12b, r12v, ds12, base, offa,
+                           mska, offb, mskb, ta, tb, ga, gb, lse, c,
+                           dta, dtb, D, EPS, CB, HAS_R)
     if NSRC > 13:
       if PF == 1:
         if NSRC > 14:
           x14a, x14b = _load(s14, base, offa, mska, offb, mskb, CB)
+          r14v = _load_r(r14, rrow, rmask, HAS_R)
       if PF == 2:
         if NSRC > 15:
           x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
-      dta, dtb = _bwd_step(x13a, x13b, ds13, base, offa, mska, offb,
-                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
-                           EPS, CB)
+          r15v = _load_r(r15, rrow, rmask, HAS_R)
+      dta, dtb = _bwd_step(x13a, x13b, r13v, ds13, base, offa,
+                           mska, offb, mskb, ta, tb, ga, gb, lse, c,
+                           dta, dtb, D, EPS, CB, HAS_R)
     if NSRC > 14:
       if PF == 1:
         if NSRC > 15:
           x15a, x15b = _load(s15, base, offa, mska, offb, mskb, CB)
-      dta, dtb = _bwd_step(x14a, x14b, ds14, base, offa, mska, offb,
-                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
-                           EPS, CB)
+          r15v = _load_r(r15, rrow, rmask, HAS_R)
+      dta, dtb = _bwd_step(x14a, x14b, r14v, ds14, base, offa,
+                           mska, offb, mskb, ta, tb, ga, gb, lse, c,
+                           dta, dtb, D, EPS, CB, HAS_R)
     if NSRC > 15:
-      dta, dtb = _bwd_step(x15a, x15b, ds15, base, offa, mska, offb,
-                           mskb, ta, tb, ga, gb, lse, c, dta, dtb, D,
-                           EPS, CB)
+      dta, dtb = _bwd_step(x15a, x15b, r15v, ds15, base, offa,
+                           mska, offb, mskb, ta, tb, ga, gb, lse, c,
+                           dta, dtb, D, EPS, CB, HAS_R)
     # </gen:BWD_STEPS>
   _store(dt_ptr, pid * D, cola, cmska, colb, cmskb, tl.sum(dta, axis=0),
          tl.sum(dtb, axis=0), CB)
@@ -1276,6 +1464,7 @@ class _Cfg:
   fwd_warps: int
   fwd_pf: int
   fwd_given_r: bool                # see TUNING
+  bwd_given_r: bool                # see TUNING
   cpass_bn: int
   cpass_warps: int
   cpass_pf: int
@@ -1331,6 +1520,7 @@ def _make_cfg(d, h, eps, exact_bwd, mesh, batch_axes) -> _Cfg:
                                  tu["fwd_warps"]),
       fwd_warps=tu["fwd_warps"], fwd_pf=_pf(tu["fwd_prefetch"]),
       fwd_given_r=bool(tu["fwd_given_r"]),
+      bwd_given_r=bool(tu["bwd_given_r"]),
       cpass_bn=_tokens_per_program(width, tu["cpass_elems_per_thread"],
                                    tu["cpass_warps"]),
       cpass_warps=tu["cpass_warps"], cpass_pf=_pf(tu["cpass_prefetch"]),
@@ -1378,12 +1568,13 @@ def _pad_slots(chunk):
   return list(chunk) + [chunk[0]] * (MAX_SOURCES_PER_LAUNCH - len(chunk))
 
 
-def _fwd_local(srcs, t, cfg: _Cfg, init=None, rs=None):
+def _fwd_local(srcs, t, cfg: _Cfg, init=None, rs=None, write_r=False):
   """Routes ``srcs`` (tuple of ``[N, D]``) for G sites at once.
 
   ``rs``: None, or the sources' inverse RMS (tuple of ``[N]`` fp32, e.g.
   :func:`reference.inv_rms`), read instead of computed in the kernel when
-  ``cfg.fwd_given_r``.
+  ``cfg.fwd_given_r``. ``write_r`` (G = 1, ``rs`` not read): also return the
+  inverse RMS the kernel computed, ``[S, N]`` fp32, as a third output.
 
   ``t``: ``[G, D]`` fp32, each site's query * gain. ``init``: None, or
   ``(out, lse, i0)`` (``[R, N, D]``, ``[R, N, H]`` fp32, an int): site ``g``
@@ -1399,8 +1590,10 @@ def _fwd_local(srcs, t, cfg: _Cfg, init=None, rs=None):
   bn = cfg.fwd_bn
   grid = (g * triton.cdiv(n, bn),)
   one = jax.ShapeDtypeStruct((1,), f32)
-  if not cfg.fwd_given_r:
+  if not cfg.fwd_given_r or write_r:
     rs = None
+  if write_r and g != 1:
+    raise ValueError(f"_fwd_local: write_r needs one site, got {g}")
   chunks = _chunks(list(srcs), cfg.chunk)
   r_chunks = chunks if rs is None else _chunks(list(rs), cfg.chunk)
   i0 = 0
@@ -1409,6 +1602,7 @@ def _fwd_local(srcs, t, cfg: _Cfg, init=None, rs=None):
   else:
     state, mode, i0 = (init[1], t, init[0]), 2, int(init[2])
   k = MAX_SOURCES_PER_LAUNCH
+  r_out = []
   for ci, (ch, rch) in enumerate(zip(chunks, r_chunks)):
     last = ci == len(chunks) - 1
     inputs = _pad_slots(ch) + _pad_slots(rch) + [t, *state]
@@ -1418,58 +1612,72 @@ def _fwd_local(srcs, t, cfg: _Cfg, init=None, rs=None):
         one if last else jax.ShapeDtypeStruct((g, n, h), f32),
         one if last else jax.ShapeDtypeStruct((g, n, h), f32),
         one if last else jax.ShapeDtypeStruct((g, n, d), f32),
+        jax.ShapeDtypeStruct((len(ch), n), f32) if write_r else one,
     ]
     carry = ({2: 2 * k + 1, 3: 2 * k + 2, 4: 2 * k + 3}
              if mode == 1 and not last else {})
     res = _launch(_fwd_kernel, inputs, [n, i0], shapes, grid=grid,
                   num_warps=cfg.fwd_warps, carry=carry, poison=cfg.poison,
                   dummy=t, NSRC=len(ch), INIT=mode, LAST=last,
-                  HAS_R=rs is not None, G=g,
+                  HAS_R=rs is not None, WRITE_R=write_r, G=g,
                   PF=cfg.fwd_pf, PIN=cfg.pin,
                   **cfg.meta(bn))
+    r_out.append(res[5])
+    if last and write_r:
+      return res[0], res[1], jnp.concatenate(r_out)
     if last:
       return res[0], res[1]
     state, mode = (res[2], res[3], res[4]), 1
   raise AssertionError("unreachable")
 
 
-def _cpass_local(srcs, g, t, lse, cfg: _Cfg):
-  """``c = sum_i w_i <g, s_i>_h``, ``[N, H]`` fp32."""
+def _r_chunks(srcs, rs, cfg: _Cfg):
+  """The sources and their inverse RMS slots (the sources again when ``rs``
+  is None: unread), in launches of ``cfg.chunk``."""
+  chunks = _chunks(list(srcs), cfg.chunk)
+  return zip(chunks, chunks if rs is None else _chunks(list(rs), cfg.chunk))
+
+
+def _cpass_local(srcs, g, t, lse, cfg: _Cfg, rs=None):
+  """``c = sum_i w_i <g, s_i>_h``, ``[N, H]`` fp32; ``rs``: None or the
+  sources' inverse RMS (tuple of ``[N]`` fp32), read instead of computed."""
   n, _ = srcs[0].shape
   bn = cfg.cpass_bn
   grid = (triton.cdiv(n, bn),)
   k = MAX_SOURCES_PER_LAUNCH
   c = None
-  for ci, ch in enumerate(_chunks(list(srcs), cfg.chunk)):
+  for ci, (ch, rch) in enumerate(_r_chunks(srcs, rs, cfg)):
     first = ci == 0
-    inputs = _pad_slots(ch) + [g, t, lse, t if first else c]
+    inputs = _pad_slots(ch) + _pad_slots(rch) + [g, t, lse, t if first else c]
     (c,) = _launch(_cpass_kernel, inputs, [n],
                    [jax.ShapeDtypeStruct((n, cfg.h), jnp.float32)],
                    grid=grid, num_warps=cfg.cpass_warps,
-                   carry={} if first else {0: k + 3}, poison=cfg.poison,
+                   carry={} if first else {0: 2 * k + 3}, poison=cfg.poison,
                    dummy=t, NSRC=len(ch), FIRST=first, PF=cfg.cpass_pf,
-                   PIN=cfg.pin,
+                   PIN=cfg.pin, HAS_R=rs is not None,
                    **cfg.meta(bn))
   return c
 
 
-def _bwd_local(srcs, g, t, lse, c, cfg: _Cfg):
-  """Returns ``(ds tuple of [N, D], dt [D] fp32)`` (dt local to this shard)."""
+def _bwd_local(srcs, g, t, lse, c, cfg: _Cfg, rs=None):
+  """Returns ``(ds tuple of [N, D], dt [D] fp32)`` (dt local to this shard);
+  ``rs`` as for :func:`_cpass_local`."""
   n, d = srcs[0].shape
   bn = cfg.bwd_bn
   ntiles = triton.cdiv(n, bn)
   progs = min(ntiles, cfg.bwd_programs)
   dts = []
   ds = []
-  for ch in _chunks(list(srcs), cfg.chunk):
-    inputs = _pad_slots(ch) + [g, t, lse, c]
+  for ch, rch in _r_chunks(srcs, rs, cfg):
+    inputs = _pad_slots(ch) + _pad_slots(rch) + [g, t, lse, c]
     k = MAX_SOURCES_PER_LAUNCH
     shapes = ([jax.ShapeDtypeStruct((n, d), srcs[0].dtype)] * len(ch)
               + [jax.ShapeDtypeStruct((1,), jnp.float32)] * (k - len(ch))
               + [jax.ShapeDtypeStruct((progs, d), jnp.float32)])
     res = _launch(_bwd_kernel, inputs, [n, ntiles], shapes, grid=(progs,),
                   num_warps=cfg.bwd_warps, poison=cfg.poison, dummy=t,
-                  NSRC=len(ch), PF=cfg.bwd_pf, **cfg.meta(bn))
+                  NSRC=len(ch), PF=cfg.bwd_pf, HAS_R=rs is not None,
+                  **cfg.meta(bn))
     ds.extend(res[:len(ch)])
     dts.append(jnp.sum(res[-1], axis=0))
   return tuple(ds), functools.reduce(jnp.add, dts)
@@ -1500,12 +1708,13 @@ def _flat(x):
   return x.reshape(-1, x.shape[-1])
 
 
-def _fwd_impl(srcs, t, cfg, init=None, rs=None):
+def _fwd_impl(srcs, t, cfg, init=None, rs=None, write_r=False):
   """Sharded forward of G sites: ``srcs [..., D]``, ``t [G, D]`` ->
   ``(out [G, ..., D], lse [G, ..., H])``; ``init``: None or
   ``(out [R, ..., D], lse [R, ..., H], i0)``, earlier results to continue;
   ``rs``: None or the sources' inverse RMS ``[...]`` fp32 (see
-  :func:`_fwd_local`)."""
+  :func:`_fwd_local`); ``write_r`` (one site): also returns the inverse RMS
+  of every source the kernel computed, ``[S, ...]`` fp32."""
   lead = srcs[0].shape[:-1]
   g = t.shape[0]
   i0 = None if init is None else int(init[2])
@@ -1516,11 +1725,12 @@ def _fwd_impl(srcs, t, cfg, init=None, rs=None):
       r = init[0].shape[0]
       init = (init[0].reshape(r, -1, cfg.d), init[1].reshape(r, -1, cfg.h),
               i0)
-    out, lse = _fwd_local(tuple(_flat(s) for s in srcs), t, cfg,
-                          init or None,
-                          tuple(r.reshape(-1) for r in rs) if rs else None)
-    return (out.reshape(g, *loc_lead, cfg.d),
-            lse.reshape(g, *loc_lead, cfg.h))
+    res = _fwd_local(tuple(_flat(s) for s in srcs), t, cfg, init or None,
+                     tuple(r.reshape(-1) for r in rs) if rs else None,
+                     write_r)
+    return (res[0].reshape(g, *loc_lead, cfg.d),
+            res[1].reshape(g, *loc_lead, cfg.h),
+            *(x.reshape(-1, *loc_lead) for x in res[2:]))
 
   from jax.sharding import PartitionSpec as P
   spec = _tok_spec(cfg, len(lead) + 1)
@@ -1531,24 +1741,27 @@ def _fwd_impl(srcs, t, cfg, init=None, rs=None):
   return _shard(cfg, local,
                 (tuple(spec for _ in srcs), tuple(rspec for _ in rs), P(),
                  *(gspec for _ in init)),
-                (gspec, gspec))(tuple(srcs), rs, t, *init)
+                (gspec, gspec, *((P(None, *rspec),) if write_r else ())))(
+                    tuple(srcs), rs, t, *init)
 
 
-def _bwd_impl(srcs, g, t, lse, out, cfg):
-  """Sharded backward -> ``(ds tuple [..., D], dt [D])``."""
+def _bwd_impl(srcs, g, t, lse, out, cfg, rs=None):
+  """Sharded backward -> ``(ds tuple [..., D], dt [D])``; ``rs``: None or
+  the sources' inverse RMS ``[S, ...]`` fp32 (the forward's ``write_r``)."""
   lead = srcs[0].shape[:-1]
 
-  def local(srcs, g, t, lse, out):
+  def local(srcs, g, t, lse, out, rs):
     loc_lead = srcs[0].shape[:-1]
     fs = tuple(_flat(s) for s in srcs)
     g2, lse2 = _flat(g), lse.reshape(-1, cfg.h)
+    rs = None if rs is None else tuple(rs.reshape(len(fs), -1))
     if cfg.exact_bwd:
-      c = _cpass_local(fs, g2, t, lse2, cfg)
+      c = _cpass_local(fs, g2, t, lse2, cfg, rs)
     else:
       c = jnp.einsum("nhc,nhc->nh",
                      g2.astype(jnp.float32).reshape(-1, cfg.h, cfg.c),
                      _flat(out).astype(jnp.float32).reshape(-1, cfg.h, cfg.c))
-    ds, dt = _bwd_local(fs, g2, t, lse2, c, cfg)
+    ds, dt = _bwd_local(fs, g2, t, lse2, c, cfg, rs)
     if cfg.mesh is not None and cfg.batch_axes:
       dt = jax.lax.psum(dt, cfg.batch_axes)
     return tuple(x.reshape(*loc_lead, cfg.d) for x in ds), dt
@@ -1560,9 +1773,11 @@ def _bwd_impl(srcs, g, t, lse, out, cfg):
     out_spec = P()
   else:
     out_spec = spec
+  r_spec = None if rs is None else P(None, *_tok_spec(cfg, len(lead)))
   return _shard(cfg, local,
-                (tuple(spec for _ in srcs), spec, P(), spec, out_spec),
-                (tuple(spec for _ in srcs), P()))(tuple(srcs), g, t, lse, out)
+                (tuple(spec for _ in srcs), spec, P(), spec, out_spec, r_spec),
+                (tuple(spec for _ in srcs), P()))(tuple(srcs), g, t, lse, out,
+                                                  rs)
 
 
 def _t(query, norm_scale):
@@ -1575,15 +1790,16 @@ def _route(srcs, query, norm_scale, cfg):
 
 
 def _route_fwd(srcs, query, norm_scale, cfg):
-  out, lse = (x[0] for x in _fwd_impl(srcs, _t(query, norm_scale)[None], cfg))
-  return out, (srcs, query, norm_scale, lse,
-               None if cfg.exact_bwd else out)
+  out, lse, *rs = _fwd_impl(srcs, _t(query, norm_scale)[None], cfg,
+                            write_r=cfg.bwd_given_r)
+  return out[0], (srcs, query, norm_scale, lse[0],
+                  None if cfg.exact_bwd else out[0], rs[0] if rs else None)
 
 
 def _route_bwd(cfg, res, g):
-  srcs, query, norm_scale, lse, out = res
+  srcs, query, norm_scale, lse, out, rs = res
   t = _t(query, norm_scale)
-  ds, dt = _bwd_impl(srcs, g.astype(srcs[0].dtype), t, lse, out, cfg)
+  ds, dt = _bwd_impl(srcs, g.astype(srcs[0].dtype), t, lse, out, cfg, rs)
   dquery = (dt * norm_scale.astype(jnp.float32)).astype(query.dtype)
   dscale = (dt * query.astype(jnp.float32)).astype(norm_scale.dtype)
   return tuple(ds), dquery, dscale
