@@ -1568,6 +1568,13 @@ def _pad_slots(chunk):
   return list(chunk) + [chunk[0]] * (MAX_SOURCES_PER_LAUNCH - len(chunk))
 
 
+def _r_chunks(srcs, rs, cfg: _Cfg):
+  """The sources and their inverse RMS slots (the sources again when ``rs``
+  is None: unread), in launches of ``cfg.chunk``."""
+  chunks = _chunks(list(srcs), cfg.chunk)
+  return zip(chunks, chunks if rs is None else _chunks(list(rs), cfg.chunk))
+
+
 def _fwd_local(srcs, t, cfg: _Cfg, init=None, rs=None, write_r=False):
   """Routes ``srcs`` (tuple of ``[N, D]``) for G sites at once.
 
@@ -1594,8 +1601,7 @@ def _fwd_local(srcs, t, cfg: _Cfg, init=None, rs=None, write_r=False):
     rs = None
   if write_r and g != 1:
     raise ValueError(f"_fwd_local: write_r needs one site, got {g}")
-  chunks = _chunks(list(srcs), cfg.chunk)
-  r_chunks = chunks if rs is None else _chunks(list(rs), cfg.chunk)
+  launches = list(_r_chunks(srcs, rs, cfg))
   i0 = 0
   if init is None:
     state, mode = (t, t, t), 0
@@ -1603,8 +1609,8 @@ def _fwd_local(srcs, t, cfg: _Cfg, init=None, rs=None, write_r=False):
     state, mode, i0 = (init[1], t, init[0]), 2, int(init[2])
   k = MAX_SOURCES_PER_LAUNCH
   r_out = []
-  for ci, (ch, rch) in enumerate(zip(chunks, r_chunks)):
-    last = ci == len(chunks) - 1
+  for ci, (ch, rch) in enumerate(launches):
+    last = ci == len(launches) - 1
     inputs = _pad_slots(ch) + _pad_slots(rch) + [t, *state]
     shapes = [
         jax.ShapeDtypeStruct((g, n, d), dtype) if last else one,
@@ -1629,13 +1635,6 @@ def _fwd_local(srcs, t, cfg: _Cfg, init=None, rs=None, write_r=False):
       return res[0], res[1]
     state, mode = (res[2], res[3], res[4]), 1
   raise AssertionError("unreachable")
-
-
-def _r_chunks(srcs, rs, cfg: _Cfg):
-  """The sources and their inverse RMS slots (the sources again when ``rs``
-  is None: unread), in launches of ``cfg.chunk``."""
-  chunks = _chunks(list(srcs), cfg.chunk)
-  return zip(chunks, chunks if rs is None else _chunks(list(rs), cfg.chunk))
 
 
 def _cpass_local(srcs, g, t, lse, cfg: _Cfg, rs=None):
