@@ -1,0 +1,126 @@
+"""What is live at a training step's peak of device memory (XLA's own report).
+
+    python3 benchmarks/peak_buffers.py --runs 1b/prenorm,1b/mhar [--top 12]
+
+For each ``preset/scheme`` (as in benchmarks/throughput.py) a fresh process
+compiles the trainer's step (no run) with XLA dumping its buffer assignment,
+and this prints, from XLA's live-range dump (``*-live-range.txt``), the
+bytes live at the step's peak by the JAX operation that made them and the
+largest buffers live there. Comparing a
+scheme with the baseline shows what the scheme's extra memory is (e.g. the
+routed sources saved for the backward, or its whole-stack cotangent buffer).
+Runs on the CPU too (``tiny``), for a check of the plumbing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def peak_report(text: str) -> dict:
+  """From XLA's ``*-live-range.txt`` dump of a module: the schedule position
+  of the peak, the buffers live there (``(name, bytes)``, largest first) and
+  the peak's bytes by the JAX operation that made them (``(op, bytes)``, the
+  first level of XLA's "stack trace breakdown", largest first)."""
+  m = re.search(r"Live ranges at (\d+) \(peak\):\n(.*?)\n  \S", text, re.S)
+  live = []
+  if m:
+    for line in m.group(2).splitlines():
+      b = re.match(r"\s*(\S+): (\d+) bytes", line)
+      if b:
+        live.append((b.group(1), int(b.group(2))))
+  total = re.search(r"Stack trace breakdown for peak usage: ([\d ]+) bytes",
+                    text)
+  by_op = []
+  if total:
+    tail = text[total.end():]
+    for line in tail.splitlines()[2:]:      # after the root line
+      b = re.match(r"      [├└]── (.*) \([\d.]+%, total: ([\d ]+) bytes", line)
+      if b:
+        by_op.append((b.group(1), int(b.group(2).replace(" ", ""))))
+      elif line.strip() and not line.startswith("      "):
+        break
+  return dict(
+      position=int(m.group(1)) if m else None,
+      peak=int(total.group(1).replace(" ", "")) if total else None,
+      live=sorted(live, key=lambda x: -x[1]),
+      by_op=sorted(by_op, key=lambda x: -x[1]))
+
+
+def op_key(op: str) -> str:
+  """A JAX operation name without its transformation wrappers, so the same
+  operation compares equal across schemes: ``jit(step)/jvp(jvp(vmap()))/div``
+  -> ``div``; ``.../transpose(jvp(btd,dhk->bthk))/dot_general`` ->
+  ``bwd btd,dhk->bthk/dot_general``."""
+  parts = op.split("/")[1:] or [op]
+  bwd = any("transpose(" in x for x in parts)
+  kept = [re.sub(r"(jvp|transpose|vmap|jit|remat|checkpoint)\(|\)", "", x)
+          for x in parts]
+  return ("bwd " if bwd else "") + "/".join(x for x in kept if x)
+
+
+def compile_with_dump(run: str, dump: str, micro_tokens: int) -> int:
+  """Compiles ``run``'s train step in a child process dumping to ``dump``."""
+  preset, _, scheme = run.partition("/")
+  env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                                    f" --xla_dump_to={dump}"
+                                    " --xla_dump_hlo_module_re=jit_step"))
+  code = ("import sys; sys.path.insert(0, %r); import throughput; "
+          "throughput.child(%r, %r, 0, 0, %d, 'auto', '', True)"
+          % (os.path.join(ROOT, "benchmarks"), preset, scheme, micro_tokens))
+  return subprocess.run([sys.executable, "-c", code], env=env).returncode
+
+
+def _by_key(by_op):
+  out = {}
+  for op, n in by_op:
+    out[op_key(op)] = out.get(op_key(op), 0) + n
+  return out
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--runs", default="tiny/prenorm,tiny/mhar")
+  ap.add_argument("--top", type=int, default=12)
+  ap.add_argument("--micro_tokens", type=int, default=32768)
+  a = ap.parse_args()
+  first = None
+  for run in a.runs.split(","):
+    with tempfile.TemporaryDirectory(prefix="mhar_dump_") as dump:
+      rc = compile_with_dump(run, dump, a.micro_tokens)
+      files = sorted(glob.glob(os.path.join(dump, "*jit_step*live-range.txt")),
+                     key=os.path.getsize)
+      if rc or not files:
+        print(f"== {run}: compile rc {rc}, {len(files)} live-range dumps")
+        continue
+      rep = peak_report(open(files[-1]).read())
+      gib = lambda x: f"{x / 2**30:8.3f} GiB" if x is not None else "-"  # noqa: E731
+      print(f"== {run}: peak {gib(rep['peak'])} at schedule position "
+            f"{rep['position']}")
+      print("  by operation:")
+      for op, n in rep["by_op"][:a.top]:
+        print(f"  {gib(n)}  {op[-100:]}")
+      print("  largest buffers live at the peak:")
+      for name, n in rep["live"][:a.top]:
+        print(f"  {gib(n)}  {name}")
+      if first is None:
+        first = (run, _by_key(rep["by_op"]))
+        continue
+      mine = _by_key(rep["by_op"])
+      diff = sorted(((mine.get(k, 0) - first[1].get(k, 0), k)
+                     for k in set(mine) | set(first[1])), key=lambda x: -abs(x[0]))
+      print(f"  by operation, minus {first[0]}'s:")
+      for n, op in diff[:a.top]:
+        print(f"  {n / 2**30:+8.3f} GiB  {op[-100:]}")
+
+
+if __name__ == "__main__":
+  main()
