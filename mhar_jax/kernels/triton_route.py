@@ -93,7 +93,8 @@ L = ceil(S/K) launches): forward ``S b + b + 8 (L - 1)``; exact backward
 ``2 S b`` (two reads) ``+ S b`` (writes) ``+ 2 b`` (g read twice). Measured on
 an H200 (bf16, H=8, N=32k, S=37), as a share of copy bandwidth on those bytes:
 forward 78% and fwd+bwd 71% at D=1024; 68% and 62% at D=1280
-(benchmarks/RESULTS.md, session 9).
+(benchmarks/RESULTS.md, session 9). The forward given each source's inverse
+RMS (as ``stack.routed_stack`` calls it) runs at ~90% at D=1280 (session 11).
 """
 
 from __future__ import annotations
