@@ -144,7 +144,8 @@ def depth_attention(x, r, t, num_heads: int, tokens_per_program: int = 4,
                     source_block: int = 16, num_warps: int = 4):
   """``(out [G, N, D], lse [G, N, H])`` of G sites over the sources ``x``
   ``[S, N, D]`` (bf16) given their inverse RMS ``r [S, N]`` and the sites'
-  ``t [G, D]`` (G a power of two >= 16), through jax-triton."""
+  ``t [G, D]`` (G a power of two >= 16, and both parts of a head's channels
+  at least 16 lanes: ``tl.dot``'s minimum), through jax-triton."""
   import jax
   import jax.numpy as jnp
   import jax_triton as jt
