@@ -73,7 +73,8 @@ def depth_attention_kernel(x_ptr, r_ptr, t_ptr, S, N, out_ptr, lse_ptr,
                            D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                            CA: tl.constexpr, CB: tl.constexpr,
                            G: tl.constexpr, SB: tl.constexpr,
-                           BT: tl.constexpr, LOWP: tl.constexpr):
+                           BT: tl.constexpr, STAGES: tl.constexpr,
+                           LOWP: tl.constexpr):
   """G sites over S sources for head ``program_id(1)`` of BT tokens.
 
   ``x_ptr [S, N, D]`` (bf16), ``r_ptr [S, N]`` fp32 inverse RMS, ``t_ptr
@@ -107,7 +108,7 @@ def depth_attention_kernel(x_ptr, r_ptr, t_ptr, S, N, out_ptr, lse_ptr,
       acca = tl.zeros((G, CA), tl.float32)
       if CB > 0:
         accb = tl.zeros((G, CB), tl.float32)
-      for s0 in range(0, S, SB):
+      for s0 in tl.range(0, S, SB, num_stages=STAGES):
         s = s0 + sb
         sm = s < S
         xoff = s.to(tl.int64)[:, None] * nd + row
@@ -141,7 +142,8 @@ def depth_attention_kernel(x_ptr, r_ptr, t_ptr, S, N, out_ptr, lse_ptr,
 
 
 def depth_attention(x, r, t, num_heads: int, tokens_per_program: int = 4,
-                    source_block: int = 16, num_warps: int = 4):
+                    source_block: int = 16, num_warps: int = 4,
+                    stages: int = 3):
   """``(out [G, N, D], lse [G, N, H])`` of G sites over the sources ``x``
   ``[S, N, D]`` (bf16) given their inverse RMS ``r [S, N]`` and the sites'
   ``t [G, D]`` (G a power of two >= 16, and both parts of a head's channels
@@ -161,7 +163,8 @@ def depth_attention(x, r, t, num_heads: int, tokens_per_program: int = 4,
                  jax.ShapeDtypeStruct((g, n, num_heads), jnp.float32)],
       grid=(triton.cdiv(n, tokens_per_program), num_heads),
       num_warps=num_warps, num_stages=1, D=d, H=num_heads, C=c, CA=ca,
-      CB=cb, G=g, SB=source_block, BT=tokens_per_program, LOWP=True)
+      CB=cb, G=g, SB=source_block, BT=tokens_per_program, STAGES=stages,
+      LOWP=True)
 
 
 def main():
@@ -170,8 +173,9 @@ def main():
   ap.add_argument("--d", type=int, default=1280)
   ap.add_argument("--h", type=int, default=8)
   ap.add_argument("--sites", type=int, default=16)
-  ap.add_argument("--configs", default="4x4,8x4,4x8,16x4",
-                  help="tokens a program x warps of the new kernel")
+  ap.add_argument("--configs", default="4x4x3,4x4x1,4x8x3,16x4x3",
+                  help="tokens a program x warps x pipeline stages of the "
+                  "new kernel")
   ap.add_argument("--json", default="")
   a = ap.parse_args()
   import jax
@@ -207,9 +211,9 @@ def main():
       ms, _, _ = _median_ms(fn, args)
       res[name] = ms
     for cfg_s in a.configs.split(","):
-      bt, w = map(int, cfg_s.split("x"))
-      fn = jax.jit(lambda x, r, t, bt=bt, w=w: depth_attention(
-          x, r, t, a.h, tokens_per_program=bt, num_warps=w))
+      bt, w, st = map(int, cfg_s.split("x"))
+      fn = jax.jit(lambda x, r, t, bt=bt, w=w, st=st: depth_attention(
+          x, r, t, a.h, tokens_per_program=bt, num_warps=w, stages=st))
       try:
         out, lse = fn(x, r, t)
         err = float(jnp.max(jnp.abs(out.astype(jnp.float32)
@@ -221,7 +225,7 @@ def main():
         print(f"  {n}x{s} {cfg_s}: ERROR {ex!r}"[:400], flush=True)
         continue
       res[f"depth attention {cfg_s}"] = ms
-      print(f"  {n}x{s} depth attention BTxW {cfg_s}: {ms:.3f} ms, "
+      print(f"  {n}x{s} depth attention BTxWxSTAGES {cfg_s}: {ms:.3f} ms, "
             f"{100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs:.1f}% of copy "
             f"(S + G arrays), out rel err {err:.1e}, lse abs err {lerr:.1e}",
             flush=True)
