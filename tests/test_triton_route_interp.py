@@ -412,3 +412,30 @@ def test_sharded_route_backward_plumbing(tr, monkeypatch):
   assert seen == [[(6,)] * s] * 2     # 2 x 3 tokens a shard of the data axis
   for x, src in zip(ds, srcs):
     _close(np.asarray(x[..., 0]), reference.inv_rms(src, EPS))
+
+
+@pytest.mark.parametrize("given_r", [False, True])
+def test_route_custom_vjp_end_to_end(tr, monkeypatch, given_r):
+  """``route()``'s custom VJP (forward residuals, the inverse RMS passed to
+  the backward when ``bwd_given_r``) on 18 sources, every launch run by the
+  interpreter (eagerly: the launches need concrete arrays), against the
+  reference's values and gradients."""
+  monkeypatch.setattr(tr, "_launch", _interpreted_launch)
+  monkeypatch.setitem(tr.TUNING, "bwd_given_r", given_r)
+  n_tok, d, h, s = 4, 320, 2, 18
+  rng = np.random.default_rng(9)
+  srcs = [jnp.asarray(rng.normal(size=(n_tok, d)) * (0.6 + 0.1 * i),
+                      jnp.float32) for i in range(s)]
+  query = jnp.asarray(0.5 * rng.normal(size=d), jnp.float32)
+  scale = jnp.asarray(1 + 0.2 * rng.normal(size=d), jnp.float32)
+  g = jnp.asarray(rng.normal(size=(n_tok, d)), jnp.float32)
+  cfg = tr._make_cfg(d, h, EPS, True, None, ())
+  with jax.disable_jit():
+    out, vjp = jax.vjp(lambda ss, q, k: tr._route(tuple(ss), q, k, cfg),
+                       srcs, query, scale)
+    grads = vjp(g)
+  want, vjp_ref = jax.vjp(lambda ss, q, k: reference.route(
+      ss, q, k, num_heads=h, eps=EPS), srcs, query, scale)
+  _close(np.asarray(out), want)
+  for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(vjp_ref(g))):
+    _close(np.asarray(got), ref)
