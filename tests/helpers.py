@@ -57,3 +57,50 @@ def interpreted_kernels(*names):
       sys.modules.pop("jax_triton", None)
     else:
       sys.modules["jax_triton"] = saved
+
+
+def _torch(x):
+  import numpy as np
+  import torch
+  return torch.from_numpy(np.array(x, np.float32))
+
+
+def interpreted_launch(kernel, inputs, scalars, out_shapes, *, grid,
+                       num_warps, carry=None, poison=False, dummy=None,
+                       **meta):
+  """``triton_route._launch`` run by Triton's interpreter on float32 torch
+  tensors: the kernel gets ``inputs``, one unused init per output,
+  ``scalars``, then the outputs (an output in ``carry`` starts as a copy of
+  that input, the others as NaN), as jax-triton passes them. Needs concrete
+  arrays (call the code under test eagerly)."""
+  import jax.numpy as jnp
+  import torch
+  del num_warps, poison
+  for j, i in (carry or {}).items():   # XLA aliases only equal buffers
+    assert (inputs[i].shape, inputs[i].dtype) == (out_shapes[j].shape,
+                                                  out_shapes[j].dtype), (j, i)
+  args = [_torch(x) for x in inputs]
+  outs = [args[carry[j]].clone() if carry and j in carry
+          else torch.full(s.shape, float("nan")) for j, s in
+          enumerate(out_shapes)]
+  kernel[grid](*args, *([_torch(dummy)] * len(out_shapes)), *scalars, *outs,
+               **meta)
+  return [jnp.asarray(o.numpy()).astype(s.dtype)
+          for o, s in zip(outs, out_shapes)]
+
+
+def interpreted_triton_call(*args, kernel, out_shape, grid, num_warps=4,
+                            num_stages=None, input_output_aliases=None,
+                            **meta):
+  """``jax_triton.triton_call`` run by Triton's interpreter (eagerly, on
+  float32 torch tensors; outputs start as NaN): array arguments become
+  tensors, Python ints stay scalars, the outputs follow."""
+  import jax.numpy as jnp
+  import torch
+  del num_warps, num_stages
+  assert not input_output_aliases
+  conv = [x if isinstance(x, int) else _torch(x) for x in args]
+  outs = [torch.full(s.shape, float("nan")) for s in out_shape]
+  kernel[grid](*conv, *outs, **meta)
+  return [jnp.asarray(o.numpy()).astype(s.dtype)
+          for o, s in zip(outs, out_shape)]

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 if jax.default_backend() == "gpu":   # there tests/test_triton_route.py runs
   pytest.skip("interpreter test: CPU only", allow_module_level=True)
-from helpers import interpreted_kernels, use_triton_interpreter  # noqa: E402
+from helpers import (interpreted_kernels, interpreted_launch,  # noqa: E402
+                     use_triton_interpreter)
 
 torch = pytest.importorskip("torch")
 use_triton_interpreter()
@@ -287,26 +288,6 @@ def test_given_inverse_rms_drops_the_cross_warp_reduction(tmp_path):
     assert rows[k + "_r"]["regs"] <= rows[k]["regs"], rows
 
 
-def _interpreted_launch(kernel, inputs, scalars, out_shapes, *, grid,
-                        num_warps, carry=None, poison=False, dummy=None,
-                        **meta):
-  """``triton_route._launch`` run by Triton's interpreter on torch tensors:
-  the kernel gets ``inputs``, one unused init per output, ``scalars``, then
-  the outputs (an output in ``carry`` starts as a copy of that input, the
-  others as NaN), as jax-triton passes them."""
-  del num_warps, poison
-  for j, i in (carry or {}).items():   # XLA aliases only equal buffers
-    assert (inputs[i].shape, inputs[i].dtype) == (out_shapes[j].shape,
-                                                  out_shapes[j].dtype), (j, i)
-  args = [_T(x) for x in inputs]
-  outs = [args[carry[j]].clone() if carry and j in carry
-          else _nan(*s.shape) for j, s in enumerate(out_shapes)]
-  kernel[grid](*args, *([_T(dummy)] * len(out_shapes)), *scalars, *outs,
-               **meta)
-  return [jnp.asarray(o.numpy()).astype(s.dtype)
-          for o, s in zip(outs, out_shapes)]
-
-
 @pytest.mark.parametrize("given_r", [False, True])
 def test_fwd_local_launch_plumbing(tr, monkeypatch, given_r):
   """``_fwd_local`` itself (argument order, the inverse-RMS slots, the carry
@@ -314,7 +295,7 @@ def test_fwd_local_launch_plumbing(tr, monkeypatch, given_r):
   by the interpreter: 2 sites over 35 sources (three launches, the middle one
   carrying its state in place), then one continued over 2 more, against the
   reference."""
-  monkeypatch.setattr(tr, "_launch", _interpreted_launch)
+  monkeypatch.setattr(tr, "_launch", interpreted_launch)
   n_tok, d, h = 5, 320, 2
   rng = np.random.default_rng(11)
   srcs = [jnp.asarray((rng.normal(size=(n_tok, d)) * (0.5 + 0.1 * i)),
@@ -340,7 +321,7 @@ def test_route_launch_plumbing(tr, monkeypatch, given_r):
   interpreter: the forward writing each source's inverse RMS (``write_r``),
   then the c-pass (its carry alias) and the backward with and without them,
   against the reference's values and gradients."""
-  monkeypatch.setattr(tr, "_launch", _interpreted_launch)
+  monkeypatch.setattr(tr, "_launch", interpreted_launch)
   n_tok, d, h, s = 6, 320, 2, 19
   rng = np.random.default_rng(5)
   srcs = tuple(jnp.asarray(rng.normal(size=(n_tok, d)) * (0.5 + 0.1 * i),
@@ -420,7 +401,7 @@ def test_route_custom_vjp_end_to_end(tr, monkeypatch, given_r):
   the backward when ``bwd_given_r``) on 18 sources, every launch run by the
   interpreter (eagerly: the launches need concrete arrays), against the
   reference's values and gradients."""
-  monkeypatch.setattr(tr, "_launch", _interpreted_launch)
+  monkeypatch.setattr(tr, "_launch", interpreted_launch)
   monkeypatch.setitem(tr.TUNING, "bwd_given_r", given_r)
   n_tok, d, h, s = 4, 320, 2, 18
   rng = np.random.default_rng(9)

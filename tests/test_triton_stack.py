@@ -14,7 +14,8 @@ import jax.numpy as jnp
 
 if jax.default_backend() == "gpu":   # there tests/test_stack_gpu.py runs the real build
   pytest.skip("interpreter test: CPU only", allow_module_level=True)
-from helpers import interpreted_kernels, use_triton_interpreter  # noqa: E402
+from helpers import (interpreted_kernels, interpreted_launch,  # noqa: E402
+                     interpreted_triton_call, use_triton_interpreter)
 
 torch = pytest.importorskip("torch")
 use_triton_interpreter()
@@ -70,3 +71,65 @@ def test_kernel_matches_reference(kernel_module, n_tok, d, h, rows, i, m):
   dt = np.einsum("mnh,nhc->mhc", dlr.numpy(), s.reshape(n_tok, h, c))
   dt_ref = np.asarray(dt_ref).reshape(m, h, c)
   assert np.abs(dt - dt_ref).max() <= 1e-5 * np.abs(dt_ref).max()
+
+
+def _sublayer(j, p, x, consts):
+  return jnp.tanh(x @ p["w"] + p["b"]) * (1.0 + 0.1 * j)
+
+
+@pytest.mark.parametrize("blocks,given_r", [
+    (None, True), (None, False), ((0, 0, 1, 1, 1), True)])
+def test_routed_stack_end_to_end(kernel_module, monkeypatch, blocks, given_r):
+  """``routed_stack``'s Triton path as the decoder runs it (forward kernels
+  given each source's inverse RMS or not, the whole-stack buffers, the
+  source-major backward kernel), every launch run eagerly by the
+  interpreter, against the jnp path: values and every gradient."""
+  import sys
+  tr = sys.modules["mhar_jax.kernels.triton_route"]
+  ts = kernel_module
+  calls = []
+
+  def counted(fn):
+    def wrapped(*a, **k):
+      calls.append(k["kernel"].__name__)
+      return fn(*a, **k)
+    return wrapped
+
+  def counted_launch(kernel, *a, **k):
+    calls.append(kernel.__name__)
+    return interpreted_launch(kernel, *a, **k)
+
+  monkeypatch.setattr(tr, "_launch", counted_launch)
+  monkeypatch.setattr(ts.jt, "triton_call", counted(interpreted_triton_call),
+                      raising=False)
+  monkeypatch.setitem(tr.TUNING, "fwd_given_r", given_r)
+  n, d, h, tok = 5, 320, 2, (2, 3)
+  rng = np.random.default_rng(3)
+  x0 = jnp.asarray(rng.normal(size=(*tok, d)), jnp.float32)
+  params = tuple({"w": jnp.asarray(rng.normal(size=(d, d)) / np.sqrt(d),
+                                   jnp.float32),
+                  "b": jnp.asarray(0.1 * rng.normal(size=d), jnp.float32)}
+                 for _ in range(n))
+  q = jnp.asarray(0.5 * rng.normal(size=(n + 1, d)) / np.sqrt(d / h),
+                  jnp.float32)
+  g = jnp.asarray(1 + 0.2 * rng.normal(size=(n + 1, d)), jnp.float32)
+  cot = jnp.asarray(rng.normal(size=(*tok, d)), jnp.float32)
+  blk = tuple(range(n)) if blocks is None else blocks
+
+  def run(impl):
+    plan = stack._Plan(h, 1e-6, impl, blocks=blk)
+    f = lambda x0, ps, q, g: stack._stack(x0, ps, q, g, None, _sublayer,  # noqa: E731
+                                          plan)
+    with jax.disable_jit():
+      out, vjp = jax.vjp(f, x0, params, q, g)
+      return out, vjp(cot)
+
+  out_t, grads_t = run("triton")
+  sources = len(set(blk)) + 1 + (len(blk) - len(set(blk)))   # done + partials
+  assert calls.count("_fwd_kernel") == n + 1                # one a site
+  assert calls.count("source_grad_kernel") == sources, calls
+  out_r, grads_r = run("reference")
+  np.testing.assert_allclose(out_t, out_r, rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(grads_t), jax.tree.leaves(grads_r)):
+    scale = float(jnp.max(jnp.abs(b)))
+    assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * max(scale, 1e-6), scale
