@@ -182,6 +182,13 @@ def _cols(H: tl.constexpr, C: tl.constexpr, HP: tl.constexpr,
 
 
 @triton.jit
+def _token_ids(tile, N, BN: tl.constexpr):
+  """Token indices ``[BN]`` of token tile ``tile`` and which are ``< N``."""
+  ids = tile * BN + tl.arange(0, BN)
+  return ids, ids < N
+
+
+@triton.jit
 def _rows(tile, N, cola, cmska, colb, cmskb, D: tl.constexpr,
           H: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr):
   """Token tile ``tile``: int64 element offsets of its first row in a
@@ -189,7 +196,7 @@ def _rows(tile, N, cola, cmska, colb, cmskb, D: tl.constexpr,
   (``[BN, HP, CA]``), part b (``[BN, HP, CB]``) and of ``[BN, HP]``; masks."""
   row0 = tile * BN
   rows = tl.arange(0, BN)
-  nmask = (row0 + rows) < N
+  _, nmask = _token_ids(tile, N, BN)
   base = row0.to(tl.int64) * D
   hbase = row0.to(tl.int64) * H
   roff = rows[:, None, None] * D
@@ -365,8 +372,7 @@ def _fwd_kernel(
   cola, cmska, colb, cmskb = _cols(H, C, HP, CA, CB)
   base, offa, mska, offb, mskb, hbase, hoff, hmask = _rows(
       pid // G, N, cola, cmska, colb, cmskb, D, H, HP, BN)
-  rrow = (pid // G) * BN + tl.arange(0, BN)
-  rmask = rrow < N
+  rrow, rmask = _token_ids(pid // G, N, BN)
   gd = site.to(tl.int64) * N * D        # site offset in [G, N, D] arrays
   gh = site.to(tl.int64) * N * H        # and in [G, N, H] arrays
   if INIT == 2:
@@ -752,8 +758,7 @@ def _cpass_kernel(
   cola, cmska, colb, cmskb = _cols(H, C, HP, CA, CB)
   base, offa, mska, offb, mskb, hbase, hoff, hmask = _rows(
       pid, N, cola, cmska, colb, cmskb, D, H, HP, BN)
-  rrow = pid * BN + tl.arange(0, BN)
-  rmask = rrow < N
+  rrow, rmask = _token_ids(pid, N, BN)
   ta, tb = _load(t_ptr, 0, cola, cmska, colb, cmskb, CB)
   ga, gb = _load(g_ptr, base, offa, mska, offb, mskb, CB)
   ga = ga.to(tl.float32)
@@ -1113,8 +1118,7 @@ def _bwd_kernel(
     tile = pid + k * nprog
     base, offa, mska, offb, mskb, hbase, hoff, hmask = _rows(
         tile, N, cola, cmska, colb, cmskb, D, H, HP, BN)
-    rrow = tile * BN + tl.arange(0, BN)
-    rmask = rrow < N
+    rrow, rmask = _token_ids(tile, N, BN)
     ga, gb = _load(g_ptr, base, offa, mska, offb, mskb, CB)
     ga = ga.to(tl.float32)
     gb = gb.to(tl.float32)

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from mhar_jax.kernels.triton_route import (_cols, _hsum, _load, _rows, _store,
-                                           _tokens_per_program, _zeros,
-                                           tile_meta, tile_width)
+                                           _token_ids, _tokens_per_program,
+                                           _zeros, tile_meta, tile_width)
 
 # Tokens per program are chosen so each thread holds about `elems_per_thread`
 # fp32 elements of a tile; `stages`: software-pipelining depth of the loop
@@ -68,11 +68,11 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, I, M, N,
   cola, cmska, colb, cmskb = _cols(H, C, HP, CA, CB)
   base, offa, mska, offb, mskb, hbase, hoff, hmask = _rows(
       tile, N, cola, cmska, colb, cmskb, D, H, HP, BN)
-  rows = tile * BN + tl.arange(0, BN)
+  rows, rmask = _token_ids(tile, N, BN)
   xa, xb = _load(s_ptr, base, offa, mska, offb, mskb, CB)
   xa = xa.to(tl.float32)
   xb = xb.to(tl.float32)
-  r = tl.load(r_ptr + rows, mask=rows < N, other=0.0)
+  r = tl.load(r_ptr + rows, mask=rmask, other=0.0)
   acca, accb = _zeros(BN, HP, CA, CB)
   coef = tl.zeros((BN, HP), tl.float32)
   nd = N.to(tl.int64) * D
