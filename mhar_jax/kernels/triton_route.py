@@ -1633,11 +1633,10 @@ def _fwd_local(srcs, t, cfg: _Cfg, init=None, rs=None, write_r=False):
                   HAS_R=rs is not None, WRITE_R=write_r, G=g,
                   PF=cfg.fwd_pf, PIN=cfg.pin,
                   **cfg.meta(bn))
-    r_out.append(res[5])
-    if last and write_r:
-      return res[0], res[1], jnp.concatenate(r_out)
+    if write_r:
+      r_out.append(res[5])
     if last:
-      return res[0], res[1]
+      return (res[0], res[1], *([jnp.concatenate(r_out)] if write_r else []))
     state, mode = (res[2], res[3], res[4]), 1
   raise AssertionError("unreachable")
 
