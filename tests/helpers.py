@@ -59,7 +59,8 @@ def interpreted_kernels(*names):
       sys.modules["jax_triton"] = saved
 
 
-def _torch(x):
+def to_torch(x):
+  """A float32 torch tensor holding a copy of array ``x``."""
   import numpy as np
   import torch
   return torch.from_numpy(np.array(x, np.float32))
@@ -79,11 +80,11 @@ def interpreted_launch(kernel, inputs, scalars, out_shapes, *, grid,
   for j, i in (carry or {}).items():   # XLA aliases only equal buffers
     assert (inputs[i].shape, inputs[i].dtype) == (out_shapes[j].shape,
                                                   out_shapes[j].dtype), (j, i)
-  args = [_torch(x) for x in inputs]
+  args = [to_torch(x) for x in inputs]
   outs = [args[carry[j]].clone() if carry and j in carry
           else torch.full(s.shape, float("nan")) for j, s in
           enumerate(out_shapes)]
-  kernel[grid](*args, *([_torch(dummy)] * len(out_shapes)), *scalars, *outs,
+  kernel[grid](*args, *([to_torch(dummy)] * len(out_shapes)), *scalars, *outs,
                **meta)
   return [jnp.asarray(o.numpy()).astype(s.dtype)
           for o, s in zip(outs, out_shapes)]
@@ -99,7 +100,7 @@ def interpreted_triton_call(*args, kernel, out_shape, grid, num_warps=4,
   import torch
   del num_warps, num_stages
   assert not input_output_aliases
-  conv = [x if isinstance(x, int) else _torch(x) for x in args]
+  conv = [x if isinstance(x, int) else to_torch(x) for x in args]
   outs = [torch.full(s.shape, float("nan")) for s in out_shape]
   kernel[grid](*conv, *outs, **meta)
   return [jnp.asarray(o.numpy()).astype(s.dtype)

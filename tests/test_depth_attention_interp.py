@@ -12,7 +12,8 @@ import jax.numpy as jnp
 
 if jax.default_backend() == "gpu":   # the benchmark checks itself there
   pytest.skip("interpreter test: CPU only", allow_module_level=True)
-from helpers import interpreted_kernels, use_triton_interpreter  # noqa: E402
+from helpers import (interpreted_kernels, to_torch,  # noqa: E402
+                     use_triton_interpreter)
 
 torch = pytest.importorskip("torch")
 use_triton_interpreter()
@@ -47,11 +48,11 @@ def test_kernel_matches_jnp_sites(tr, n, d, h, s, bt):
   ca, cb = tr.head_parts(c)
   # fp32 operands (LOWP=False: the interpreter's bf16 products are wrong);
   # the GPU run of benchmarks/depth_attention.py checks the bf16 ones
-  X = torch.from_numpy(np.array(x.astype(jnp.float32)))
+  X = to_torch(x)
   out = torch.full((g, n, d), float("nan"))
   lse = torch.full((g, n, h), float("nan"))
   depth_attention.depth_attention_kernel[(triton.cdiv(n, bt), h)](
-      X, torch.from_numpy(np.array(r)), torch.from_numpy(np.array(t)), s,
+      X, to_torch(r), to_torch(t), s,
       n, out, lse, D=d, H=h, C=c, CA=ca, CB=cb, G=g, SB=16, BT=bt,
       STAGES=2, LOWP=False)
   got = out.float().numpy()

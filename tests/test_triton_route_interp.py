@@ -20,6 +20,7 @@ if jax.default_backend() == "gpu":   # there tests/test_triton_route.py runs
   pytest.skip("interpreter test: CPU only", allow_module_level=True)
 from helpers import (interpreted_kernels, interpreted_launch,  # noqa: E402
                      use_triton_interpreter)
+from helpers import to_torch as _T  # noqa: E402
 
 torch = pytest.importorskip("torch")
 use_triton_interpreter()
@@ -37,10 +38,6 @@ def tr():
 
 def _nan(*shape):
   return torch.full(shape, float("nan"))
-
-
-def _T(a):
-  return torch.from_numpy(np.ascontiguousarray(np.asarray(a, np.float32)))
 
 
 def _close(got, want, tol=1e-5):
