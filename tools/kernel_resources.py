@@ -51,7 +51,7 @@ BF16 = {"fwd": SLOTS("s") | {"out_ptr", "i_out"},
         "cpass": SLOTS("s") | {"g_ptr"},
         "bwd": SLOTS("s") | SLOTS("ds") | SLOTS("i") | {"g_ptr"},
         "source_grad": {"s_ptr", "dx_ptr", "ds_ptr"}}
-SCALARS = {"N", "I0", "NTILES", "I", "M"}
+SCALARS = {"N", "I0", "NTILES", "I", "M", "S"}
 
 
 def compile_kernel(fn, bf16, constexprs, warps):
@@ -154,6 +154,14 @@ def main(argv=None):
           tr.tile_meta(a.d, a.h), BN=ts.tokens_per_program(a.d, a.h),
           STAGES=ts.TUNING["stages"])),
   }
+  if "depth_attention" in a.kernels:   # the experiment in benchmarks/
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "benchmarks"))
+    import depth_attention as da
+    runs["depth_attention"] = (da.depth_attention_kernel,
+                               {"x_ptr", "out_ptr"}, dict(
+                                   tr.tile_meta(a.d, a.h), G=16, SB=16, BT=4,
+                                   STAGES=1, LOWP=True))
   print(f"triton {triton.__version__}, sm_90, D={a.d} H={a.h} "
         f"NSRC={a.nsrc} PF={a.pf} warps={a.warps} BN={bn}", flush=True)
   rows = []
