@@ -77,37 +77,23 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, I, M, N,
   coef = tl.zeros((BN, HP), tl.float32)
   nd = N.to(tl.int64) * D
   nh = N.to(tl.int64) * H
-  # Pointers advanced by one site (row) an iteration: no per-element address
-  # arithmetic in the loop beyond one add per vector.
-  dx_row = dx_ptr + I.to(tl.int64) * nd + base
-  t_row = t_ptr + I.to(tl.int64) * D
-  lse_row = lse_ptr + I.to(tl.int64) * nh + hbase + hoff
-  xd_row = xd_ptr + I.to(tl.int64) * nh + hbase + hoff
-  dlr_row = dlr_ptr + hbase + hoff
-  for _ in tl.range(0, M, num_stages=STAGES):
-    dxa, dxb = _load(dx_row, 0, offa, mska, offb, mskb, CB)
+  for k in tl.range(0, M, num_stages=STAGES):
+    j = (I + k).to(tl.int64)
+    dxa, dxb = _load(dx_ptr + j * nd, base, offa, mska, offb, mskb, CB)
     dxa = dxa.to(tl.float32)
     dxb = dxb.to(tl.float32)
-    tka, tkb = _load(t_row, 0, cola, cmska, colb, cmskb, CB)
-    lse = tl.load(lse_row, mask=hmask, other=0.0)
-    xd = tl.load(xd_row, mask=hmask, other=0.0)
+    tka, tkb = _load(t_ptr + j * D, 0, cola, cmska, colb, cmskb, CB)
+    lse = tl.load(lse_ptr + j * nh + hbase + hoff, mask=hmask, other=0.0)
+    xd = tl.load(xd_ptr + j * nh + hbase + hoff, mask=hmask, other=0.0)
     logit = r[:, None] * _hsum(xa * tka[None, :, :], xb * tkb[None, :, :], CB)
     w = tl.exp(logit - lse)
     dl = w * (_hsum(dxa * xa, dxb * xb, CB) - xd)
     dlr = dl * r[:, None]
-    # Two separate updates so each compiles to one fused multiply-add.
-    acca = acca + w[:, :, None] * dxa
-    acca = acca + dlr[:, :, None] * tka[None, :, :]
+    acca += w[:, :, None] * dxa + dlr[:, :, None] * tka[None, :, :]
     if CB > 0:
-      accb = accb + w[:, :, None] * dxb
-      accb = accb + dlr[:, :, None] * tkb[None, :, :]
+      accb += w[:, :, None] * dxb + dlr[:, :, None] * tkb[None, :, :]
     coef += dl * logit
-    tl.store(dlr_row, dlr, mask=hmask)
-    dx_row += nd
-    t_row += D
-    lse_row += nh
-    xd_row += nh
-    dlr_row += nh
+    tl.store(dlr_ptr + k * nh + hbase + hoff, dlr, mask=hmask)
   scale = (tl.sum(coef, axis=1) * r * r / D)[:, None, None]
   _store(ds_ptr, base, offa, mska, offb, mskb, acca - scale * xa,
          accb - scale * xb, CB)
