@@ -55,7 +55,10 @@ def grads(impl, h, params, queries, gains, cot, heads, blocks=None,
     ((3, 160), 1280, 8, 6, (0, 0, 0, 1, 1, 2), 0),
     # two-phase site groups (Triton vs the jnp site-by-site reference)
     ((3, 160), 1280, 8, 20, None, 8), ((2, 37), 64, 4, 5, None, 2),
-    ((3, 160), 1280, 8, 6, (0, 0, 0, 1, 1, 2), 2)])
+    ((3, 160), 1280, 8, 6, (0, 0, 0, 1, 1, 2), 2),
+    # groups of >= 8 sites on tensor cores (triton_stack.sites)
+    ((2, 37), 64, 4, 18, None, 16), ((3, 160), 1280, 8, 17, None, 16),
+    ((2, 37), 512, 16, 18, (0,) * 9 + (1,) * 9, 2)])
 def test_triton_stack_matches_reference(dtype, lead, d, heads, n, blocks,
                                         site_group):
   ks = jax.random.split(jax.random.key(d + n), 6)

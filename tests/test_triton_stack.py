@@ -77,11 +77,14 @@ def _sublayer(j, p, x, consts):
   return jnp.tanh(x @ p["w"] + p["b"]) * (1.0 + 0.1 * j)
 
 
-@pytest.mark.parametrize("blocks,given_r", [
-    (None, True), (None, False), ((0, 0, 1, 1, 1), True)])
-def test_routed_stack_end_to_end(kernel_module, monkeypatch, blocks, given_r):
+@pytest.mark.parametrize("blocks,given_r,site_group", [
+    (None, True, 0), (None, False, 0), ((0, 0, 1, 1, 1), True, 0),
+    (None, True, 3), ((0, 0, 1, 1, 1), True, 2)])
+def test_routed_stack_end_to_end(kernel_module, monkeypatch, blocks, given_r,
+                                 site_group):
   """``routed_stack``'s Triton path as the decoder runs it (forward kernels
-  given each source's inverse RMS or not, the whole-stack buffers, the
+  given each source's inverse RMS or not, groups of sites on tensor cores
+  reading the in-place source buffer, the whole-stack buffers, the
   source-major backward kernel), every launch run eagerly by the
   interpreter, against the jnp path: values and every gradient."""
   import sys
@@ -103,6 +106,8 @@ def test_routed_stack_end_to_end(kernel_module, monkeypatch, blocks, given_r):
   monkeypatch.setattr(ts.jt, "triton_call", counted(interpreted_triton_call),
                       raising=False)
   monkeypatch.setitem(tr.TUNING, "fwd_given_r", given_r)
+  monkeypatch.setitem(ts.SITES_TUNING, "min_sites", 2)
+  monkeypatch.setitem(ts.SITES_TUNING, "tokens_per_program", 4)
   n, d, h, tok = 5, 320, 2, (2, 3)
   rng = np.random.default_rng(3)
   x0 = jnp.asarray(rng.normal(size=(*tok, d)), jnp.float32)
@@ -117,7 +122,7 @@ def test_routed_stack_end_to_end(kernel_module, monkeypatch, blocks, given_r):
   blk = tuple(range(n)) if blocks is None else blocks
 
   def run(impl):
-    plan = stack._Plan(h, 1e-6, impl, blocks=blk)
+    plan = stack._Plan(h, 1e-6, impl, blocks=blk, site_group=site_group)
     f = lambda x0, ps, q, g: stack._stack(x0, ps, q, g, None, _sublayer,  # noqa: E731
                                           plan)
     with jax.disable_jit():
@@ -126,10 +131,49 @@ def test_routed_stack_end_to_end(kernel_module, monkeypatch, blocks, given_r):
 
   out_t, grads_t = run("triton")
   sources = len(set(blk)) + 1 + (len(blk) - len(set(blk)))   # done + partials
-  assert calls.count("_fwd_kernel") == n + 1                # one a site
+  groups = stack._Plan(h, 1e-6, "triton", blocks=blk,
+                       site_group=site_group).site_groups(n)
+  on_tc = sum(b - a >= 2 for a, b in groups)
+  assert calls.count("sites_kernel") == on_tc, calls
+  # one a site, but the first of a group on tensor cores
+  assert calls.count("_fwd_kernel") == n + 1 - on_tc, calls
   assert calls.count("source_grad_kernel") == sources, calls
   out_r, grads_r = run("reference")
   np.testing.assert_allclose(out_t, out_r, rtol=1e-5, atol=1e-5)
   for a, b in zip(jax.tree.leaves(grads_t), jax.tree.leaves(grads_r)):
     scale = float(jnp.max(jnp.abs(b)))
     assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * max(scale, 1e-6), scale
+
+
+@pytest.mark.parametrize("n,d,h,rows,s,g,bt", [
+    (5, 320, 2, 22, 19, 16, 2),   # C = 160 = 128 + 32; two source blocks
+    (3, 64, 4, 7, 7, 5, 4),       # C = 16: one part; 5 of 16 site rows
+    (4, 128, 1, 3, 1, 9, 8),      # one source; AttnRes (H = 1); BT > N
+])
+def test_sites_kernel_matches_jnp_sites(kernel_module, n, d, h, rows, s, g,
+                                        bt):
+  """``sites_kernel`` (G sites over the first S rows of a source buffer, on
+  tensor cores) against ``stack._sites``; fp32 operands (the interpreter's
+  bf16 products are wrong: the GPU tests check those)."""
+  ts = kernel_module
+  rng = np.random.default_rng(n + d + s)
+  x = jnp.asarray(rng.normal(size=(rows, n, d)) * 1.3, jnp.float32)
+  r = reference.inv_rms(x[:s], 1e-6)
+  t = jnp.asarray(0.5 * rng.normal(size=(g, d)) / np.sqrt(d / h), jnp.float32)
+  want, want_lse = stack._sites([x[i] for i in range(s)],
+                                t.reshape(g, h, -1), [r[i] for i in range(s)],
+                                stack._Plan(h, 1e-6, "reference"))
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(ts.jt, "triton_call", interpreted_triton_call, raising=False)
+    mp.setitem(ts.SITES_TUNING, "tokens_per_program", bt)
+    out, lse = ts.sites_local(x, r, s, t, h)
+  assert out.shape == (g, n, d) and lse.shape == (g, n, h)
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_sites_supported(kernel_module):
+  ok = kernel_module.sites_supported
+  assert ok(1280, 8, 16) and ok(1024, 8, 9)
+  assert not ok(576, 8, 16)      # C = 72 = 64 + 8: 8 lanes
+  assert not ok(1280, 8, 1) and not ok(1280, 8, 65)

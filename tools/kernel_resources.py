@@ -154,20 +154,17 @@ def main(argv=None):
           tr.tile_meta(a.d, a.h), BN=ts.tokens_per_program(a.d, a.h),
           STAGES=ts.TUNING["stages"])),
   }
-  if "depth_attention" in a.kernels:   # the experiment in benchmarks/
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), "benchmarks"))
-    import depth_attention as da
-    runs["depth_attention"] = (da.depth_attention_kernel,
-                               {"x_ptr", "out_ptr"}, dict(
-                                   tr.tile_meta(a.d, a.h), G=16, SB=16, BT=4,
-                                   STAGES=1, LOWP=True))
+  tu = ts.SITES_TUNING
+  runs["sites"] = (ts.sites_kernel, {"x_ptr", "out_ptr"}, dict(
+      tr.tile_meta(a.d, a.h), G=16, SB=tu["source_block"],
+      BT=tu["tokens_per_program"], STAGES=tu["stages"], LOWP=True))
   print(f"triton {triton.__version__}, sm_90, D={a.d} H={a.h} "
         f"NSRC={a.nsrc} PF={a.pf} warps={a.warps} BN={bn}", flush=True)
   rows = []
   for name in a.kernels.split(","):
     fn, bf16, cons = runs[name]
-    warps = ts.TUNING["warps"] if name == "source_grad" else a.warps
+    warps = {"source_grad": ts.TUNING["warps"],
+             "sites": ts.SITES_TUNING["warps"]}.get(name, a.warps)
     cons = {k: v for k, v in cons.items() if k in fn.arg_names}
     rows.append(report(name, *compile_kernel(fn, bf16, cons, warps), warps))
     print(json.dumps(rows[-1]), flush=True)

@@ -181,6 +181,17 @@ def _sites(sources, t, r, plan):
   return out.reshape(*out.shape[:-2], -1).astype(sources[0].dtype), lse
 
 
+def _tensor_core_group(plan, g: int, d: int) -> bool:
+  """Whether a group of ``g`` sites routes its first phase on tensor cores
+  (``triton_stack.sites``): Triton, at least ``SITES_TUNING["min_sites"]``
+  sites, and a width the kernel takes."""
+  if plan.impl != "triton" or g < 2:
+    return False
+  from mhar_jax.kernels import triton_stack
+  return (g >= triton_stack.SITES_TUNING["min_sites"]
+          and triton_stack.sites_supported(d, plan.num_heads, g))
+
+
 def _continue(outs, lses, k, sources, t_j, r, plan):
   """Site output and log-sum-exp over earlier sources, whose result is row
   ``k`` of ``outs [R, ..., D]`` / ``lses [R, ..., H]``, followed by
@@ -214,6 +225,13 @@ def _forward(h, params, queries, gains, consts, apply, plan, save):
   xs, lses, vjps = [], [], []
   partial = None
   group = None     # (first site, len(done) then, outputs, log-sum-exps)
+  # Groups routed on tensor cores read the finished sources from one buffer
+  # (rows in ``done``'s order), filled in place as they appear.
+  on_tc = {a for a, b in group_end.items()
+           if _tensor_core_group(plan, b - a, h.shape[-1])}
+  buf = None
+  if on_tc:
+    buf = jnp.zeros((sum(ends) + 1, *h.shape), h.dtype).at[0].set(h)
 
   def route_site(j):
     """Site j's output and log-sum-exp (two-phase within its group)."""
@@ -226,7 +244,15 @@ def _forward(h, params, queries, gains, consts, apply, plan, save):
         group = None
         out, lse = _sites(live, t[j:j + 1], live_r, plan)
         return out[0], lse[0]
-      group = (j, len(live), *_sites(live, t[j:group_end[j]], live_r, plan))
+      if j in on_tc and partial is None:      # live is done: buf's rows
+        from mhar_jax.kernels import triton_stack
+        first = triton_stack.sites(
+            buf, jnp.stack(live_r), len(live),
+            t[j:group_end[j]].reshape(group_end[j] - j, -1),
+            plan.num_heads, plan.mesh, plan.batch_axes)
+      else:
+        first = _sites(live, t[j:group_end[j]], live_r, plan)
+      group = (j, len(live), *first)
     a, n_old, outs, glse = group
     if len(live) == n_old:           # the group's first site: phase 1 is all
       return outs[j - a], glse[j - a]
@@ -252,6 +278,8 @@ def _forward(h, params, queries, gains, consts, apply, plan, save):
     if ends[j]:
       done.append(partial)
       done_r.append(inv_rms(partial, plan.eps))
+      if buf is not None and j + 1 <= max(on_tc):
+        buf = buf.at[len(done) - 1].set(partial)
       partial = None
   x, lse = route_site(len(params))
   xs.append(x)

@@ -34,7 +34,8 @@ import triton.language as tl
 
 from mhar_jax.kernels.triton_route import (_cols, _hsum, _load, _rows, _store,
                                            _token_ids, _tokens_per_program,
-                                           _zeros, tile_meta, tile_width)
+                                           _zeros, head_parts, tile_meta,
+                                           tile_width)
 
 # Tokens per program are chosen so each thread holds about `elems_per_thread`
 # fp32 elements of a tile; `stages`: software-pipelining depth of the loop
@@ -159,3 +160,186 @@ def source_grad(s, r, dX, t, lse, xd, i: int, h: int, mesh=None,
                        in_specs=(tok, tok_r, site, P(), site, site),
                        out_specs=(tok, P()), check_vma=False)(
                            s, r, dX, t, lse, xd)
+
+
+# Routing G sites at once over the same sources (the first phase of
+# ``routed_stack(..., site_group=G)``) as attention on tensor cores: per token
+# and head the G queries ``t_g [C]`` meet the sources as keys and values. On the
+# H200 (benchmarks/depth_attention.py, RESULTS.md session 12) 16 sites over 16 /
+# 37 sources (D 1280) took 0.37x / 0.26x the time of triton_route's G-site
+# launch, with 16 tokens a program, 4 warps, 3 stages. Groups of fewer than
+# ``min_sites`` sites use triton_route's G-site launch (the kernel pads G to 16).
+SITES_TUNING: dict = {"tokens_per_program": 16, "warps": 4, "stages": 3,
+                      "source_block": 16, "min_sites": 8}
+
+
+@triton.jit
+def _split(t, dt: tl.constexpr, LOWP: tl.constexpr):
+  """fp32 ``t`` as two terms ``(hi, lo)`` in ``dt`` (LOWP: ~16 mantissa bits
+  together for bf16) or ``(t, t)`` (the second unused)."""
+  if LOWP:
+    hi = t.to(dt)
+    return hi, (t - hi.to(tl.float32)).to(dt)
+  else:
+    return t, t
+
+
+@triton.jit
+def _dot2(hi, lo, b, LOWP: tl.constexpr):
+  """``(hi + lo) @ b``: two low-precision products (LOWP), else one exact
+  fp32 product."""
+  if LOWP:
+    return tl.dot(hi, b) + tl.dot(lo, b)
+  else:
+    return tl.dot(hi, b, input_precision="ieee")
+
+
+@triton.jit
+def sites_kernel(x_ptr, r_ptr, t_ptr, S, GV, N, out_ptr, lse_ptr,
+                 D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
+                 CA: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
+                 SB: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
+                 LOWP: tl.constexpr):
+  """BT tokens of head ``program_id(1)``: GV sites over the first S sources.
+
+  ``x_ptr [R, N, D]`` (R >= S rows of sources), ``r_ptr [S, N]`` fp32 inverse
+  RMS, ``t_ptr [GV, D]`` fp32 queries * gains. Outputs ``out_ptr [GV, N, D]``
+  (the sources' dtype) and ``lse_ptr [GV, N, H]`` fp32::
+
+      logit[g, s] = r_s <t_g, x_s>_h      lse[g] = logsumexp_s logit[g, s]
+      out[g]      = sum_s exp(logit[g, s] - lse[g]) x_s
+
+  Per token, ``[G, C] x [C, SB]`` then ``[G, SB] x [SB, C]`` products (G a
+  power of two >= 16 >= GV; rows >= GV are masked) with an online softmax over
+  blocks of SB sources. A head's C channels are the two power-of-two parts
+  ``[0, CA)`` and ``[CA, C)`` (CB lanes, masked; CB = 0: none) of
+  ``triton_route.head_parts``. LOWP (16-bit sources): products in the
+  sources' dtype, the queries as two terms (hi + lo), the softmax weights
+  rounded once, as FlashAttention's; otherwise exact fp32 products.
+  """
+  tile = tl.program_id(0)
+  h = tl.program_id(1)
+  dt = x_ptr.dtype.element_ty
+  g = tl.arange(0, G)
+  gm = g < GV
+  ca = tl.arange(0, CA)
+  ta_hi, ta_lo = _split(tl.load(t_ptr + g[:, None] * D + h * C + ca[None, :],
+                                mask=gm[:, None], other=0.0), dt, LOWP)
+  if CB > 0:
+    cb = tl.arange(0, CB)
+    cbm = cb < C - CA
+    tb_hi, tb_lo = _split(
+        tl.load(t_ptr + g[:, None] * D + h * C + CA + cb[None, :],
+                mask=gm[:, None] & cbm[None, :], other=0.0), dt, LOWP)
+  sb = tl.arange(0, SB)
+  n64 = N + tl.zeros((), tl.int64)          # N may be specialised to 1
+  nd = n64 * D
+  for i in range(BT):
+    n = tile * BT + i
+    if n < N:
+      row = n.to(tl.int64) * D + h * C
+      m = tl.full((G,), float("-inf"), tl.float32)
+      lsum = tl.zeros((G,), tl.float32)
+      acca = tl.zeros((G, CA), tl.float32)
+      if CB > 0:
+        accb = tl.zeros((G, CB), tl.float32)
+      for s0 in tl.range(0, S, SB, num_stages=STAGES):
+        s = s0 + sb
+        sm = s < S
+        xoff = s.to(tl.int64)[:, None] * nd + row
+        xa = tl.load(x_ptr + xoff + ca[None, :], mask=sm[:, None], other=0.0)
+        if not LOWP:
+          xa = xa.to(tl.float32)
+        u = _dot2(ta_hi, ta_lo, tl.trans(xa), LOWP)
+        if CB > 0:
+          xb = tl.load(x_ptr + xoff + CA + cb[None, :],
+                       mask=sm[:, None] & cbm[None, :], other=0.0)
+          if not LOWP:
+            xb = xb.to(tl.float32)
+          u += _dot2(tb_hi, tb_lo, tl.trans(xb), LOWP)
+        rs = tl.load(r_ptr + s.to(tl.int64) * n64 + n, mask=sm, other=0.0)
+        logit = tl.where(sm[None, :], u * rs[None, :], float("-inf"))
+        m_new = tl.maximum(m, tl.max(logit, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(logit - m_new[:, None])
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        if LOWP:
+          acca = acca * alpha[:, None] + tl.dot(p.to(dt), xa)
+          if CB > 0:
+            accb = accb * alpha[:, None] + tl.dot(p.to(dt), xb)
+        else:
+          acca = acca * alpha[:, None] + tl.dot(p, xa, input_precision="ieee")
+          if CB > 0:
+            accb = accb * alpha[:, None] + tl.dot(p, xb,
+                                                  input_precision="ieee")
+        m = m_new
+      ooff = g.to(tl.int64)[:, None] * nd + row
+      inv = 1.0 / lsum[:, None]
+      tl.store(out_ptr + ooff + ca[None, :], (acca * inv).to(dt),
+               mask=gm[:, None])
+      if CB > 0:
+        tl.store(out_ptr + ooff + CA + cb[None, :], (accb * inv).to(dt),
+                 mask=gm[:, None] & cbm[None, :])
+      tl.store(lse_ptr + (g.to(tl.int64) * n64 + n) * H + h, m + tl.log(lsum),
+               mask=gm)
+
+
+def sites_supported(d: int, h: int, g: int) -> bool:
+  """Whether :func:`sites_local` takes ``g`` sites at width ``d`` with ``h``
+  heads: both parts of a head's channels must be >= 16 lanes (``tl.dot``'s
+  minimum; 160 = 128 + 32 is, 72 = 64 + 8 is not) and ``2 <= g <= 64``."""
+  ca, cb = head_parts(d // h)
+  return d % h == 0 and ca >= 16 and (cb == 0 or cb >= 16) and 2 <= g <= 64
+
+
+def sites_local(x, r, s: int, t, h: int):
+  """G sites over the first ``s`` rows of a source buffer, local arrays.
+
+  ``x [R, N, D]`` (rows ``0 .. s-1`` are the sources), ``r [s, N]`` their
+  inverse RMS, ``t [G, D]`` the sites' query * gain. Returns ``(out [G, N, D]``
+  in ``x``'s dtype, ``lse [G, N, H]`` float32)`` as
+  ``stack._sites`` computes them.
+  """
+  _, n, d = x.shape
+  g = t.shape[0]
+  if not sites_supported(d, h, g):
+    raise ValueError(f"sites_local: {g} sites at D={d}, H={h} are not"
+                     " supported (see sites_supported)")
+  tu = SITES_TUNING
+  bt = int(tu["tokens_per_program"])
+  c = d // h
+  ca, cb = head_parts(c)
+  return jt.triton_call(
+      x, r.astype(jnp.float32), t.astype(jnp.float32), int(s), g, n,
+      kernel=sites_kernel,
+      out_shape=[jax.ShapeDtypeStruct((g, n, d), x.dtype),
+                 jax.ShapeDtypeStruct((g, n, h), jnp.float32)],
+      grid=(triton.cdiv(n, bt), h), num_warps=int(tu["warps"]), num_stages=1,
+      D=d, H=h, C=c, CA=ca, CB=cb, G=max(16, 1 << (g - 1).bit_length()),
+      SB=int(tu["source_block"]), BT=bt, STAGES=int(tu["stages"]),
+      LOWP=x.dtype != jnp.float32)
+
+
+def sites(x, r, s: int, t, h: int, mesh=None, batch_axes=()):
+  """:func:`sites_local` on ``x [R, tokens..., D]``, ``r [s, tokens...]``,
+  under ``shard_map`` over the batch axes of ``mesh`` when given. Returns
+  ``(out [G, tokens..., D], lse [G, tokens..., H])``."""
+  from jax.sharding import PartitionSpec as P
+  lead = x.shape[1:-1]
+
+  def local(x, r, t):
+    loc = x.shape[1:-1]
+    out, lse = sites_local(x.reshape(x.shape[0], -1, x.shape[-1]),
+                           r.reshape(r.shape[0], -1), s, t, h)
+    return (out.reshape(t.shape[0], *loc, x.shape[-1]),
+            lse.reshape(t.shape[0], *loc, h))
+
+  if mesh is None:
+    return local(x, r, t)
+  first = (batch_axes if len(batch_axes) > 1 else batch_axes[0]) \
+      if batch_axes else None
+  rest = [None] * (len(lead) - 1)
+  rows = P(None, first, *rest, None)   # [R or G, tokens..., D or H]
+  return jax.shard_map(local, mesh=mesh,
+                       in_specs=(rows, P(None, first, *rest), P()),
+                       out_specs=(rows, rows), check_vma=False)(x, r, t)
