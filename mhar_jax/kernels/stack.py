@@ -213,7 +213,8 @@ def _continue(outs, lses, k, sources, t_j, r, plan):
 
 def _forward(h, params, queries, gains, consts, apply, plan, save):
   """Runs the stack. Saved: ``done``/``done_r`` (``s_0`` and the finished block
-  sums with their inv-RMS), ``partials``/``partial_r`` (per site: the partial
+  sums with their inv-RMS; ``done`` as the ``[len(done), ..., D]`` buffer
+  when groups of sites route on tensor cores), ``partials``/``partial_r`` (per site: the partial
   sum it reads, or None; sites 0 .. n-1, the final site reads none), the
   sites' outputs and log-sum-exps, the sublayers' VJPs and ``t = query * gain``."""
   t = (queries.astype(jnp.float32) * gains.astype(jnp.float32)).reshape(
@@ -226,7 +227,8 @@ def _forward(h, params, queries, gains, consts, apply, plan, save):
   partial = None
   group = None     # (first site, len(done) then, outputs, log-sum-exps)
   # Groups routed on tensor cores read the finished sources from one buffer
-  # (rows in ``done``'s order), filled in place as they appear.
+  # (rows in ``done``'s order), filled in place as they appear; it is what
+  # the backward gets (the list's arrays then die as the forward moves on).
   on_tc = {a for a, b in group_end.items()
            if _tensor_core_group(plan, b - a, h.shape[-1])}
   buf = None
@@ -278,13 +280,16 @@ def _forward(h, params, queries, gains, consts, apply, plan, save):
     if ends[j]:
       done.append(partial)
       done_r.append(inv_rms(partial, plan.eps))
-      if buf is not None and j + 1 <= max(on_tc):
+      if buf is not None:
         buf = buf.at[len(done) - 1].set(partial)
       partial = None
   x, lse = route_site(len(params))
   xs.append(x)
   lses.append(lse)
-  return x, (done, done_r, partials, partial_r, xs, lses, vjps, t)
+  # Save the finished sources once: as the buffer when there is one (its
+  # rows are ``done``'s, indexed alike by the backward), else as the list.
+  return x, (done if buf is None else buf, done_r, partials, partial_r, xs,
+             lses, vjps, t)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
