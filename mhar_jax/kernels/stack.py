@@ -257,7 +257,9 @@ def _forward(h, params, queries, gains, consts, apply, plan, save):
       group = (j, len(live), *first)
     a, n_old, outs, glse = group
     if len(live) == n_old:           # the group's first site: phase 1 is all
-      return outs[j - a], glse[j - a]
+      # Its own arrays: a slice that XLA fuses into each reader (including
+      # the backward's) would keep the whole [G, ..., D] result alive.
+      return jax.lax.optimization_barrier((outs[j - a], glse[j - a]))
     return _continue(outs, glse, j - a, live[n_old:], t[j], live_r[n_old:],
                      plan)
 
