@@ -85,7 +85,10 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
       method in groups of G sites; blocked routing in groups of one block's
       sites (they share the finished block sums). The same function as site
       by site, up to rounding: the first phase's output is stored in the
-      sources' dtype.
+      sources' dtype. With Triton, a group of at least
+      ``triton_stack.SITES_TUNING["min_sites"]`` sites does its first phase
+      on tensor cores (``triton_stack.sites``) over a buffer of the finished
+      sources, which the backward then reads instead of the list.
 
   Returns:
     ``x_n`` ``[..., D]`` in ``h``'s dtype.
