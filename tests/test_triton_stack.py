@@ -30,47 +30,88 @@ def kernel_module():
                                  "mhar_jax.kernels.triton_stack")
 
 
-@pytest.mark.parametrize("n_tok,d,h,rows,i,m", [
-    (37, 64, 4, 5, 0, None), (16, 40, 8, 3, 2, None), (9, 24, 1, 4, 3, None),
-    (5, 48, 16, 2, 1, None),
-    (19, 64, 4, 6, 2, 1),        # a block partial sum: one reader, mid-stack
-    (11, 40, 8, 7, 1, 3),        # readers that stop before the last row
-    (6, 320, 2, 4, 1, None)])    # C = 160 = 128 + 32, as at 1b
-def test_kernel_matches_reference(kernel_module, n_tok, d, h, rows, i, m):
-  rng = np.random.default_rng(n_tok + d)
-  s = rng.normal(size=(n_tok, d)).astype(np.float32)
+def _site_buffers(rng, s, h, rows):
+  """Random site buffers ``(dX, t, lse, xd)`` for sources ``s [G, N, D]``,
+  with each log-sum-exp at least every source's logit (w <= 1, as in a real
+  site)."""
+  g, n_tok, d = s.shape
   r = np.asarray(reference.inv_rms(jnp.asarray(s), 1e-6))
   dX = rng.normal(size=(rows, n_tok, d)).astype(np.float32)
   t = rng.normal(size=(rows, d)).astype(np.float32)
-  # a log-sum-exp at least the source's own logit, as in a real site (w <= 1)
-  u = np.einsum("nhc,khc->knh", s.reshape(n_tok, h, d // h),
+  u = np.einsum("gnhc,khc->gknh", s.reshape(g, n_tok, h, d // h),
                 t.reshape(rows, h, d // h))
-  lse = (r[None, :, None] * u
+  lse = ((r[:, None, :, None] * u).max(0)
          + np.abs(rng.normal(size=(rows, n_tok, h))) + 0.1).astype(np.float32)
   xd = rng.normal(size=(rows, n_tok, h)).astype(np.float32)
-  c = d // h
-  # reference: the jnp version of the same buffer interface
-  ds_ref, dt_ref = stack.source_grad(jnp.asarray(s), jnp.asarray(r),
-                                     jnp.asarray(dX), jnp.asarray(t),
-                                     jnp.asarray(lse), jnp.asarray(xd), i, h,
-                                     m)
-  m = rows - i if m is None else m
-  assert dt_ref.shape == (m, d)
+  return r, *(jnp.asarray(a) for a in (dX, t, lse, xd))
+
+
+@pytest.mark.parametrize("n_tok,d,h,rows,i,m,init", [
+    (37, 64, 4, 5, 0, None, False), (16, 40, 8, 3, 2, None, False),
+    (9, 24, 1, 4, 3, None, False), (5, 48, 16, 2, 1, None, False),
+    (19, 64, 4, 6, 2, 1, False),   # a block partial sum: one reader, mid-stack
+    (11, 40, 8, 7, 1, 3, False),   # readers that stop before the last row
+    (6, 320, 2, 4, 1, None, False),    # C = 160 = 128 + 32, as at 1b
+    (11, 40, 8, 7, 1, 3, True),    # continuing the share of later sites
+    (6, 320, 2, 4, 1, 2, True)])
+def test_kernel_matches_reference(kernel_module, n_tok, d, h, rows, i, m,
+                                  init):
+  """``source_grad_local`` (the kernel through the jax-triton stand-in)
+  against ``stack.source_grad``; with ``init``, continuing a random share of
+  later sites."""
+  rng = np.random.default_rng(n_tok + d)
+  s = rng.normal(size=(1, n_tok, d)).astype(np.float32)
+  r, dX, t, lse, xd = _site_buffers(rng, s, h, rows)
+  s, r = jnp.asarray(s[0]), jnp.asarray(r[0])
+  start = None
+  if init:
+    start = (jnp.asarray(rng.normal(size=(n_tok, d)), jnp.float32),
+             jnp.asarray(rng.normal(size=(n_tok, h)), jnp.float32))
+  ds_ref, dt_ref = stack.source_grad(s, r, dX, t, lse, xd, i, h, m, start)
   ts = kernel_module
-  bn = ts.tokens_per_program(d, h)
-  ds = torch.full((n_tok, d), float("nan"))
-  dlr = torch.full((m, n_tok, h), float("nan"))
-  T = lambda a: torch.from_numpy(np.ascontiguousarray(a))
-  grid = (triton.cdiv(n_tok, bn),)
-  ts.source_grad_kernel[grid](
-      T(s), T(r), T(dX), T(t), T(lse), T(xd), i, m, n_tok, ds, dlr,
-      **ts.tile_meta(d, h), BN=bn, STAGES=ts.TUNING["stages"])
-  ds_ref = np.asarray(ds_ref).reshape(n_tok, d)
-  assert np.isfinite(ds.numpy()).all() and np.isfinite(dlr.numpy()).all()
-  assert np.abs(ds.numpy() - ds_ref).max() <= 1e-5 * np.abs(ds_ref).max()
-  dt = np.einsum("mnh,nhc->mhc", dlr.numpy(), s.reshape(n_tok, h, c))
-  dt_ref = np.asarray(dt_ref).reshape(m, h, c)
-  assert np.abs(dt - dt_ref).max() <= 1e-5 * np.abs(dt_ref).max()
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(ts.jt, "triton_call", interpreted_triton_call, raising=False)
+    ds, dt = ts.source_grad_local(s, r, dX, t, lse, xd, i, h, m, start)
+  assert dt.shape == dt_ref.shape == (rows - i if m is None else m, d)
+  np.testing.assert_allclose(ds, ds_ref, rtol=0,
+                             atol=1e-5 * float(jnp.abs(ds_ref).max()))
+  np.testing.assert_allclose(dt, dt_ref, rtol=0,
+                             atol=1e-5 * float(jnp.abs(dt_ref).max()))
+
+
+@pytest.mark.parametrize("n_tok,d,h,rows,i0,gv,j,m,bt", [
+    (5, 320, 2, 12, 2, 4, 6, 5, 2),    # C = 160 = 128 + 32; 4 of 16 rows
+    (3, 64, 4, 40, 0, 16, 16, 24, 4),  # two site blocks, the second ragged
+    (4, 128, 1, 6, 3, 2, 5, 1, 8),     # one site; AttnRes (H = 1); BT > N
+])
+def test_sources_partial_matches_reference(kernel_module, n_tok, d, h, rows,
+                                           i0, gv, j, m, bt):
+  """``sources_partial_local`` (G sources' gradients from the sites above
+  them, on tensor cores; fp32 operands: the interpreter's bf16 products are
+  wrong) against ``stack.sources_partial``, and ``source_grad`` continuing
+  it against ``source_grad`` over all the sites."""
+  ts = kernel_module
+  rng = np.random.default_rng(n_tok + d + m)
+  buf = rng.normal(size=(rows, n_tok, d)).astype(np.float32)
+  r, dX, t, lse, xd = _site_buffers(rng, buf[i0:i0 + gv], h, rows)
+  buf, r = jnp.asarray(buf), jnp.asarray(r)
+  want = stack.sources_partial(buf[i0:i0 + gv], r, dX, t, lse, xd, j, m, h)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(ts.jt, "triton_call", interpreted_triton_call, raising=False)
+    mp.setitem(ts.SOURCES_TUNING, "tokens_per_program", bt)
+    got = ts.sources_partial_local(buf, i0, gv, r, dX, t, lse, xd, j, m, h)
+  for a, b in zip(got, want):
+    assert a.shape == b.shape
+    np.testing.assert_allclose(a, b, rtol=0,
+                               atol=1e-5 * float(jnp.abs(b).max()))
+  if j + m == rows:     # the share of every later site: continue it
+    for g in range(gv):
+      i = i0 + g
+      full, _ = stack.source_grad(buf[i], r[g], dX, t, lse, xd, i, h)
+      ds, _ = stack.source_grad(buf[i], r[g], dX, t, lse, xd, i, h, j - i,
+                                (got[0][g], got[1][g]))
+      np.testing.assert_allclose(ds, full, rtol=0,
+                                 atol=1e-5 * float(jnp.abs(full).max()))
 
 
 def _sublayer(j, p, x, consts):
@@ -135,9 +176,12 @@ def test_routed_stack_end_to_end(kernel_module, monkeypatch, blocks, given_r,
                        site_group=site_group).site_groups(n)
   on_tc = sum(b - a >= 2 for a, b in groups)
   assert calls.count("sites_kernel") == on_tc, calls
+  # the backward's source groups: [3, 6) has no site above it, [0, 3) does
+  src_groups = 1 if blocks is None and site_group == 3 else 0
+  assert calls.count("sources_kernel") == src_groups, calls
   # one a site, but the first of a group on tensor cores
   assert calls.count("_fwd_kernel") == n + 1 - on_tc, calls
-  assert calls.count("source_grad_kernel") == sources, calls
+  assert calls.count("source_grad_kernel") == sources, calls  # one a source
   out_r, grads_r = run("reference")
   np.testing.assert_allclose(out_t, out_r, rtol=1e-5, atol=1e-5)
   for a, b in zip(jax.tree.leaves(grads_t), jax.tree.leaves(grads_r)):

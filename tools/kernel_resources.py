@@ -51,7 +51,7 @@ BF16 = {"fwd": SLOTS("s") | {"out_ptr", "i_out"},
         "cpass": SLOTS("s") | {"g_ptr"},
         "bwd": SLOTS("s") | SLOTS("ds") | SLOTS("i") | {"g_ptr"},
         "source_grad": {"s_ptr", "dx_ptr", "ds_ptr"}}
-SCALARS = {"N", "I0", "NTILES", "I", "M", "S"}
+SCALARS = {"N", "I0", "NTILES", "I", "M", "S", "GV", "J0"}
 
 
 def compile_kernel(fn, bf16, constexprs, warps):
@@ -110,8 +110,10 @@ def report(name, cc, usage, sass, warps):
   ptx, ttgir = cc.asm["ptx"], cc.asm["ttgir"]
   total, loop = sass_counts(sass)
   regs = int(re.search(r"REG:(\d+)", usage).group(1))
+  stack = int(re.search(r"STACK:(\d+)", usage).group(1))
   programs = min(32, 65536 // (regs * 32 * warps), 64 // warps)
-  return dict(kernel=name, regs=regs, programs_per_sm=programs,
+  return dict(kernel=name, regs=regs, stack_bytes=stack,
+              programs_per_sm=programs,
               warps_per_sm=programs * warps, shared=cc.metadata.shared,
               barriers=ptx.count("bar.sync") + ptx.count("barrier.sync"),
               layout_conversions=ttgir.count("ttg.convert_layout"),
@@ -152,11 +154,19 @@ def main(argv=None):
           common, PF=tr.TUNING["bwd_prefetch"], HAS_R=True)),
       "source_grad": (ts.source_grad_kernel, BF16["source_grad"], dict(
           tr.tile_meta(a.d, a.h), BN=ts.tokens_per_program(a.d, a.h),
-          STAGES=ts.TUNING["stages"])),
+          STAGES=ts.TUNING["stages"], INIT=False)),
+      "source_grad_init": (ts.source_grad_kernel,
+                           BF16["source_grad"] | {"acc_ptr"}, dict(
+          tr.tile_meta(a.d, a.h), BN=ts.tokens_per_program(a.d, a.h),
+          STAGES=ts.TUNING["stages"], INIT=True)),
   }
   tu = ts.SITES_TUNING
   runs["sites"] = (ts.sites_kernel, {"x_ptr", "out_ptr"}, dict(
       tr.tile_meta(a.d, a.h), G=16, SB=tu["source_block"],
+      BT=tu["tokens_per_program"], STAGES=tu["stages"], LOWP=True))
+  tu = ts.SOURCES_TUNING
+  runs["sources"] = (ts.sources_kernel, {"s_ptr", "dx_ptr", "acc_ptr"}, dict(
+      tr.tile_meta(a.d, a.h), G=16, MB=tu["site_block"],
       BT=tu["tokens_per_program"], STAGES=tu["stages"], LOWP=True))
   print(f"triton {triton.__version__}, sm_90, D={a.d} H={a.h} "
         f"NSRC={a.nsrc} PF={a.pf} warps={a.warps} BN={bn}", flush=True)
@@ -164,7 +174,8 @@ def main(argv=None):
   for name in a.kernels.split(","):
     fn, bf16, cons = runs[name]
     warps = {"source_grad": ts.TUNING["warps"],
-             "sites": ts.SITES_TUNING["warps"]}.get(name, a.warps)
+             "sites": ts.SITES_TUNING["warps"],
+             "sources": ts.SOURCES_TUNING["warps"]}.get(name, a.warps)
     cons = {k: v for k, v in cons.items() if k in fn.arg_names}
     rows.append(report(name, *compile_kernel(fn, bf16, cons, warps), warps))
     print(json.dumps(rows[-1]), flush=True)

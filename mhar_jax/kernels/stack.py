@@ -310,13 +310,15 @@ def _stack_fwd(h, params, queries, gains, consts, apply, plan):
 
 
 def source_grad(s, r, dX, t, lse, xd, i: int, num_heads: int,
-                m: int | None = None):
+                m: int | None = None, init=None):
   """The gradient of a source from the sites ``i .. i+m-1`` that read it.
 
   ``s [..., D]``, ``r [...]``; whole-stack buffers ``dX [R, ..., D]`` (site
   cotangents), ``t [R, D]`` (query * gain), ``lse``/``xd [R, ..., H]`` (the
   sites' log-sum-exp and ``<dx_j, x_j>`` per head), read from row ``i``;
-  ``m`` rows (default: to the end, ``R - i``).
+  ``m`` rows (default: to the end, ``R - i``). ``init``: None, or the
+  contribution of later sites, ``(acc [..., D], coef [..., H])`` from
+  :func:`sources_partial`, which this continues.
   Returns ``(ds [..., D]`` in ``s``'s dtype, ``dt [m, D]`` float32: this
   source's share of those sites' query-gain gradient). The jnp reference of
   :func:`mhar_jax.kernels.triton_stack.source_grad`. It reads the buffers as
@@ -338,10 +340,44 @@ def source_grad(s, r, dX, t, lse, xd, i: int, num_heads: int,
   dlogit = w * (jnp.sum(dx * sh[None], axis=-1) - xd[i:i + m])
   dlr = dlogit * r
   coef = jnp.sum(dlogit * logit, axis=(0, -1))     # [...]
-  ds = (jnp.sum(w[..., None] * dx + dlr[..., None] * tb, axis=0)
-        - (coef * r[0, ..., 0] ** 2 / d)[..., None, None] * sh)
+  acc = jnp.sum(w[..., None] * dx + dlr[..., None] * tb, axis=0)
+  if init is not None:
+    acc = acc + _heads(init[0].astype(jnp.float32), num_heads)
+    coef = coef + jnp.sum(init[1], axis=-1)
+  ds = acc - (coef * r[0, ..., 0] ** 2 / d)[..., None, None] * sh
   dt = jnp.einsum("m...h,...hc->mhc", dlr, sh)
   return ds.reshape(s.shape).astype(s.dtype), dt.reshape(m, d)
+
+
+def sources_partial(S, r, dX, t, lse, xd, j: int, m: int, num_heads: int):
+  """The share of the sites ``j .. j+m-1`` in the gradients of G sources.
+
+  ``S [G, ..., D]`` (sources all read by those sites), ``r [G, ...]``; the
+  whole-stack buffers as in :func:`source_grad`, rows ``j .. j+m-1``.
+  Returns ``(acc [G, ..., D]`` in ``S``'s dtype: ``sum_k w dx_k + dlogit r
+  t_k``, ``coef [G, ..., H]`` float32: ``sum_k dlogit logit``, ``dt [m, D]``
+  float32: the sources' share of those sites' query-gain gradient), which
+  :func:`source_grad` (``init=``) completes with the remaining sites. The jnp
+  reference of :func:`mhar_jax.kernels.triton_stack.sources_partial`.
+  """
+  d = S.shape[-1]
+  lead = S.shape[1:-1]
+  sh = _heads(S, num_heads).astype(jnp.float32)      # [G, ..., H, C]
+  rr = r.astype(jnp.float32)[..., None]              # [G, ..., 1]
+  dx = _heads(dX[j:j + m], num_heads).astype(jnp.float32)   # [m, ..., H, C]
+  tm = t[j:j + m].reshape(m, num_heads, -1)
+  u = jnp.einsum("g...hc,mhc->gm...h", sh, tm)
+  logit = rr[:, None] * u                             # [G, m, ..., H]
+  w = jnp.exp(logit - lse[None, j:j + m])
+  dlogit = w * (jnp.einsum("g...hc,m...hc->gm...h", sh, dx)
+                - xd[None, j:j + m])
+  dlr = dlogit * rr[:, None]
+  acc = (jnp.einsum("gm...h,m...hc->g...hc", w, dx)
+         + jnp.einsum("gm...h,mhc->g...hc", dlr, tm))
+  coef = jnp.sum(dlogit * logit, axis=1)
+  dt = jnp.einsum("gm...h,g...hc->mhc", dlr, sh)
+  return (acc.reshape(S.shape).astype(S.dtype), coef,
+          dt.reshape(m, d))
 
 
 def _source_grad_lists(s, r, dxs, xs_dot, t, lses, num_heads):
@@ -392,16 +428,40 @@ def _stack_bwd(apply, plan, res, g):
     dxs, xds = [None] * (n + 1), [None] * (n + 1)
     dxs[n], xds[n] = g, dot_heads(g, xs[n])
 
+  # With the sources in a buffer (the forward routed groups on tensor
+  # cores), the full method's sources go in groups [a, b) from the top: the
+  # share of the sites b .. n in their gradients is computed first, for the
+  # whole group at once on tensor cores, and each source then adds its sites
+  # i .. b-1 on its own.
+  group_of, partial = {}, None
+  if not isinstance(done, list) and all(ends) and plan.site_group >= 2:
+    for b in range(n + 1, 0, -plan.site_group):
+      a = max(0, b - plan.site_group)
+      if b <= n and _tensor_core_group(plan, b - a, g.shape[-1]):
+        group_of.update({i: (a, b) for i in range(a, b)})
+
   def grad_of(s, r, i, m):
     """Gradient of source ``s`` read by sites ``i .. i+m-1``; adds its share
     of those sites' query-gain gradient to ``dt``."""
-    nonlocal dt
+    nonlocal dt, partial
+    init = None
+    if i in group_of:
+      a, b = group_of[i]
+      if partial is None or partial[0] != a:
+        from mhar_jax.kernels import triton_stack
+        acc, coef, dtp = triton_stack.sources_partial(
+            done, a, b - a, jnp.stack(done_r[a:b]), dX, tt, lse, xd, b,
+            n + 1 - b, h, plan.mesh, plan.batch_axes)
+        dt = dt.at[b:].add(dtp)
+        partial = (a, acc, coef)
+      init, m = (partial[1][i - a], partial[2][i - a]), b - i
     if plan.use_buffers and plan.impl == "triton":
       from mhar_jax.kernels import triton_stack
       ds, dti = triton_stack.source_grad(s, r, dX, tt, lse, xd, i, h,
-                                         plan.mesh, plan.batch_axes, m=m)
+                                         plan.mesh, plan.batch_axes, m=m,
+                                         init=init)
     elif plan.use_buffers:
-      ds, dti = source_grad(s, r, dX, tt, lse, xd, i, h, m)
+      ds, dti = source_grad(s, r, dX, tt, lse, xd, i, h, m, init)
     else:
       ds, dti = _source_grad_lists(s, r, dxs[i:i + m], xds[i:i + m],
                                    tt[i:i + m], lses[i:i + m], h)

@@ -51,16 +51,20 @@ TUNING: dict = {"elems_per_thread": 24, "warps": 4, "stages": 3}
 
 
 @triton.jit
-def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, I, M, N,
-                       ds_ptr, dlr_ptr,
+def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
+                       coef_ptr, I, M, N, ds_ptr, dlr_ptr,
                        D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                        HP: tl.constexpr, CA: tl.constexpr, CB: tl.constexpr,
-                       BN: tl.constexpr, STAGES: tl.constexpr):
+                       BN: tl.constexpr, STAGES: tl.constexpr,
+                       INIT: tl.constexpr):
   """One token tile of the gradient of one source from all its readers.
 
   ``s_ptr [N, D]`` (source dtype), ``r_ptr [N]`` fp32, ``dx_ptr [R, N, D]``
   (site cotangents), ``t_ptr [R, D]`` fp32, ``lse_ptr``/``xd_ptr [R, N, H]``
-  fp32, rows ``I .. I+M-1`` used. Outputs ``ds_ptr [N, D]`` (source dtype) and
+  fp32, rows ``I .. I+M-1`` used. INIT: the sums start from the share of
+  later sites, ``acc_ptr [N, D]`` (source dtype) and ``coef_ptr [N, H]`` fp32
+  (:func:`sources_partial`); otherwise those are unused. Outputs
+  ``ds_ptr [N, D]`` (source dtype) and
   ``dlr_ptr [M, N, H]`` fp32. Parameter order is jax-triton's: inputs, runtime
   scalars (not specialised: one compiled kernel serves every source), outputs,
   constexprs.
@@ -74,8 +78,14 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, I, M, N,
   xa = xa.to(tl.float32)
   xb = xb.to(tl.float32)
   r = tl.load(r_ptr + rows, mask=rmask, other=0.0)
-  acca, accb = _zeros(BN, HP, CA, CB)
-  coef = tl.zeros((BN, HP), tl.float32)
+  if INIT:
+    acca, accb = _load(acc_ptr, base, offa, mska, offb, mskb, CB)
+    acca = acca.to(tl.float32)
+    accb = accb.to(tl.float32)
+    coef = tl.load(coef_ptr + hbase + hoff, mask=hmask, other=0.0)
+  else:
+    acca, accb = _zeros(BN, HP, CA, CB)
+    coef = tl.zeros((BN, HP), tl.float32)
   nd = N.to(tl.int64) * D
   nh = N.to(tl.int64) * H
   for k in tl.range(0, M, num_stages=STAGES):
@@ -106,60 +116,67 @@ def tokens_per_program(d: int, h: int) -> int:
 
 
 def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
-                      m: int | None = None):
+                      m: int | None = None, init=None):
   """One source's gradient on local (unsharded) arrays.
 
   ``s [N, D]``, ``r [N]``, ``dX [R, N, D]``, ``t [R, D]``, ``lse``/``xd``
   ``[R, N, H]``; sites ``i .. i+m-1`` read the source (``m`` defaults to
-  ``R - i``). Returns ``(ds [N, D], dt [m, D])`` with ``dt`` this source's
-  share of the query-gain gradient of those sites.
+  ``R - i``); ``init``: None or ``(acc [N, D], coef [N, H])``, the share of
+  later sites (:func:`sources_partial_local`). Returns ``(ds [N, D], dt [m,
+  D])`` with ``dt`` this source's share of the query-gain gradient of those
+  sites.
   """
   n, d = s.shape
   m = dX.shape[0] - i if m is None else m
   c = d // h
   bn = tokens_per_program(d, h)
+  acc, coef = (s, r) if init is None else init     # unused when not INIT
   ds, dlr = jt.triton_call(
-      s, r.astype(jnp.float32), dX, t, lse, xd, i, m, n,
+      s, r.astype(jnp.float32), dX, t, lse, xd, acc, coef, i, m, n,
       kernel=source_grad_kernel,
       out_shape=[jax.ShapeDtypeStruct((n, d), s.dtype),
                  jax.ShapeDtypeStruct((m, n, h), jnp.float32)],
       grid=(triton.cdiv(n, bn),), num_warps=TUNING["warps"], num_stages=1,
-      **tile_meta(d, h), BN=bn, STAGES=TUNING["stages"])
+      **tile_meta(d, h), BN=bn, STAGES=TUNING["stages"],
+      INIT=init is not None)
   dt = jnp.einsum("mnh,nhc->mhc", dlr,
                   s.astype(jnp.float32).reshape(n, h, c)).reshape(m, d)
   return ds, dt
 
 
 def source_grad(s, r, dX, t, lse, xd, i: int, h: int, mesh=None,
-                batch_axes=(), m: int | None = None):
-  """:func:`source_grad_local` on ``[tokens, ...]`` arrays, under ``shard_map``
-  over the batch axes of ``mesh`` when given (``dt`` psummed)."""
+                batch_axes=(), m: int | None = None, init=None):
+  """:func:`source_grad_local` on ``[tokens, ...]`` arrays (``init``: None or
+  ``(acc [tokens..., D], coef [tokens..., H])``), under ``shard_map`` over the
+  batch axes of ``mesh`` when given (``dt`` psummed)."""
   from jax.sharding import PartitionSpec as P
   lead = s.shape[:-1]
 
-  def local(s, r, dX, t, lse, xd):
+  def local(s, r, dX, t, lse, xd, *init):
     loc = s.shape[:-1]
     ds, dt = source_grad_local(
         s.reshape(-1, s.shape[-1]), r.reshape(-1),
         dX.reshape(dX.shape[0], -1, dX.shape[-1]), t,
         lse.reshape(lse.shape[0], -1, h), xd.reshape(xd.shape[0], -1, h), i, h,
-        m)
+        m, tuple(x.reshape(-1, x.shape[-1]) for x in init) or None)
     if mesh is not None and batch_axes:
       dt = jax.lax.psum(dt, batch_axes)
     return ds.reshape(*loc, s.shape[-1]), dt
 
+  init = () if init is None else tuple(init)
   if mesh is None:
-    return local(s, r, dX, t, lse, xd)
+    return local(s, r, dX, t, lse, xd, *init)
   first = (batch_axes if len(batch_axes) > 1 else batch_axes[0]) \
       if batch_axes else None
   rest = [None] * (len(lead) - 1)
-  tok = P(first, *rest, None)          # [tokens..., D]
+  tok = P(first, *rest, None)          # [tokens..., D or H]
   tok_r = P(first, *rest)              # [tokens...]
   site = P(None, first, *rest, None)   # [R, tokens..., D or H]
   return jax.shard_map(local, mesh=mesh,
-                       in_specs=(tok, tok_r, site, P(), site, site),
+                       in_specs=(tok, tok_r, site, P(), site, site,
+                                 *(tok for _ in init)),
                        out_specs=(tok, P()), check_vma=False)(
-                           s, r, dX, t, lse, xd)
+                           s, r, dX, t, lse, xd, *init)
 
 
 # Routing G sites at once over the same sources (the first phase of
@@ -192,6 +209,15 @@ def _dot2(hi, lo, b, LOWP: tl.constexpr):
     return tl.dot(hi, b) + tl.dot(lo, b)
   else:
     return tl.dot(hi, b, input_precision="ieee")
+
+
+@triton.jit
+def _dot(a, b, LOWP: tl.constexpr):
+  """``a @ b``: a product of 16-bit operands (LOWP), else exact fp32."""
+  if LOWP:
+    return tl.dot(a, b)
+  else:
+    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -263,15 +289,10 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, S, GV, N, out_ptr, lse_ptr,
         alpha = tl.exp(m - m_new)
         p = tl.exp(logit - m_new[:, None])
         lsum = lsum * alpha + tl.sum(p, axis=1)
-        if LOWP:
-          acca = acca * alpha[:, None] + tl.dot(p.to(dt), xa)
-          if CB > 0:
-            accb = accb * alpha[:, None] + tl.dot(p.to(dt), xb)
-        else:
-          acca = acca * alpha[:, None] + tl.dot(p, xa, input_precision="ieee")
-          if CB > 0:
-            accb = accb * alpha[:, None] + tl.dot(p, xb,
-                                                  input_precision="ieee")
+        po = p.to(xa.dtype)
+        acca = acca * alpha[:, None] + _dot(po, xa, LOWP)
+        if CB > 0:
+          accb = accb * alpha[:, None] + _dot(po, xb, LOWP)
         m = m_new
       ooff = g.to(tl.int64)[:, None] * nd + row
       inv = 1.0 / lsum[:, None]
@@ -343,3 +364,202 @@ def sites(x, r, s: int, t, h: int, mesh=None, batch_axes=()):
   return jax.shard_map(local, mesh=mesh,
                        in_specs=(rows, P(None, first, *rest), P()),
                        out_specs=(rows, rows), check_vma=False)(x, r, t)
+
+
+# The backward's counterpart (``routed_stack(..., site_group=G)``'s backward):
+# the share of the sites above a group of G sources in those sources'
+# gradients, per token and head as tensor-core products over blocks of
+# ``site_block`` sites. Not yet timed on the GPU: these are the forward's
+# settings.
+SOURCES_TUNING: dict = {"tokens_per_program": 16, "warps": 4, "stages": 3,
+                        "site_block": 16}
+
+
+@triton.jit
+def _dot_t(a, b_hi, b_lo, LOWP: tl.constexpr):
+  """``a @ (b_hi + b_lo)^T`` (LOWP: two low-precision products), else the
+  exact fp32 ``a @ b_hi^T``."""
+  if LOWP:
+    return tl.dot(a, tl.trans(b_hi)) + tl.dot(a, tl.trans(b_lo))
+  else:
+    return tl.dot(a, tl.trans(b_hi), input_precision="ieee")
+
+
+@triton.jit
+def _dot3(a_hi, a_lo, b_hi, b_lo, LOWP: tl.constexpr):
+  """``(a_hi + a_lo) @ (b_hi + b_lo)`` without the ``lo @ lo`` term (LOWP),
+  else the exact fp32 ``a_hi @ b_hi``."""
+  if LOWP:
+    return (tl.dot(a_hi, b_hi) + tl.dot(a_lo, b_hi)) + tl.dot(a_hi, b_lo)
+  else:
+    return tl.dot(a_hi, b_hi, input_precision="ieee")
+
+
+@triton.jit
+def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, I0, GV, J0,
+                   M, N, acc_ptr, coef_ptr, dlr_ptr,
+                   D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
+                   CA: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
+                   MB: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
+                   LOWP: tl.constexpr):
+  """BT tokens of head ``program_id(1)``: the share of the sites ``J0 ..
+  J0+M-1`` in the gradients of the GV sources in rows ``I0 .. I0+GV-1``.
+
+  ``s_ptr [R, N, D]`` (a source buffer), ``r_ptr [GV, N]`` fp32 the sources'
+  inverse RMS; whole-stack ``dx_ptr [R', N, D]`` (site cotangents),
+  ``t_ptr [R', D]`` fp32, ``lse_ptr``/``xd_ptr [R', N, H]`` fp32. Outputs
+  ``acc_ptr [GV, N, D]`` (sources' dtype), ``coef_ptr [GV, N, H]`` fp32 and
+  ``dlr_ptr [N, H, GV, M]`` fp32 (``dlogit * r`` of every pair, for the
+  query-gain gradient)::
+
+      logit[g, k] = r_g <s_g, t_k>_h        w = exp(logit - lse_k)
+      dlogit      = w (<dx_k, s_g>_h - xd_k)
+      acc[g]      = sum_k w dx_k + dlogit r_g t_k    coef[g] = sum_k dlogit logit
+
+  As :func:`sites_kernel`: per token, ``[G, C] x [C, MB]`` then ``[G, MB] x
+  [MB, C]`` products (G >= 16 >= GV rows, masked), C as two parts; LOWP:
+  16-bit products with the queries and ``dlogit r`` as two terms each and
+  ``w`` rounded once; otherwise exact fp32.
+  """
+  tile = tl.program_id(0)
+  h = tl.program_id(1)
+  dt = s_ptr.dtype.element_ty
+  g = tl.arange(0, G)
+  gm = g < GV
+  ca = tl.arange(0, CA)
+  if CB > 0:
+    cb = tl.arange(0, CB)
+    cbm = cb < C - CA
+  kb = tl.arange(0, MB)
+  n64 = N + tl.zeros((), tl.int64)          # N may be specialised to 1
+  nd = n64 * D
+  nh = n64 * H
+  for i in range(BT):
+    n = tile * BT + i
+    if n < N:
+      row = n.to(tl.int64) * D + h * C
+      soff = (I0 + g).to(tl.int64)[:, None] * nd + row
+      sa = tl.load(s_ptr + soff + ca[None, :], mask=gm[:, None], other=0.0)
+      if not LOWP:
+        sa = sa.to(tl.float32)
+      if CB > 0:
+        sb = tl.load(s_ptr + soff + CA + cb[None, :],
+                     mask=gm[:, None] & cbm[None, :], other=0.0)
+        if not LOWP:
+          sb = sb.to(tl.float32)
+      rg = tl.load(r_ptr + g.to(tl.int64) * n64 + n, mask=gm, other=0.0)
+      acca = tl.zeros((G, CA), tl.float32)
+      if CB > 0:
+        accb = tl.zeros((G, CB), tl.float32)
+      coef = tl.zeros((G,), tl.float32)
+      dlr_row = dlr_ptr + (n.to(tl.int64) * H + h) * GV * M
+      for k0 in tl.range(0, M, MB, num_stages=STAGES):
+        k = k0 + kb
+        km = k < M
+        kk = (J0 + k).to(tl.int64)
+        toff = kk[:, None] * D + h * C
+        xoff = kk[:, None] * nd + row
+        ta_hi, ta_lo = _split(tl.load(t_ptr + toff + ca[None, :],
+                                      mask=km[:, None], other=0.0), dt, LOWP)
+        dxa = tl.load(dx_ptr + xoff + ca[None, :], mask=km[:, None],
+                      other=0.0)
+        if not LOWP:
+          dxa = dxa.to(tl.float32)
+        u = _dot_t(sa, ta_hi, ta_lo, LOWP)                 # [G, MB]
+        dp = _dot(sa, tl.trans(dxa), LOWP)
+        if CB > 0:
+          tb_hi, tb_lo = _split(
+              tl.load(t_ptr + toff + CA + cb[None, :],
+                      mask=km[:, None] & cbm[None, :], other=0.0), dt, LOWP)
+          dxb = tl.load(dx_ptr + xoff + CA + cb[None, :],
+                        mask=km[:, None] & cbm[None, :], other=0.0)
+          if not LOWP:
+            dxb = dxb.to(tl.float32)
+          u += _dot_t(sb, tb_hi, tb_lo, LOWP)
+          dp += _dot(sb, tl.trans(dxb), LOWP)
+        lse = tl.load(lse_ptr + kk * nh + n * H + h, mask=km, other=0.0)
+        xd = tl.load(xd_ptr + kk * nh + n * H + h, mask=km, other=0.0)
+        logit = rg[:, None] * u
+        w = tl.where(km[None, :], tl.exp(logit - lse[None, :]), 0.0)
+        dl = w * (dp - xd[None, :])
+        dlr = dl * rg[:, None]
+        coef += tl.sum(dl * logit, axis=1)
+        tl.store(dlr_row + g[:, None] * M + k[None, :], dlr,
+                 mask=gm[:, None] & km[None, :])
+        d_hi, d_lo = _split(dlr, dt, LOWP)
+        wo = w.to(dxa.dtype)
+        acca += _dot(wo, dxa, LOWP) + _dot3(d_hi, d_lo, ta_hi, ta_lo, LOWP)
+        if CB > 0:
+          accb += _dot(wo, dxb, LOWP) + _dot3(d_hi, d_lo, tb_hi, tb_lo, LOWP)
+      aoff = g.to(tl.int64)[:, None] * nd + row
+      tl.store(acc_ptr + aoff + ca[None, :], acca.to(dt), mask=gm[:, None])
+      if CB > 0:
+        tl.store(acc_ptr + aoff + CA + cb[None, :], accb.to(dt),
+                 mask=gm[:, None] & cbm[None, :])
+      tl.store(coef_ptr + (g.to(tl.int64) * n64 + n) * H + h, coef, mask=gm)
+
+
+def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
+                          m: int, h: int):
+  """The share of the sites ``j .. j+m-1`` in the gradients of the sources
+  in rows ``i0 .. i0+gv-1`` of a buffer, local arrays.
+
+  ``S [R, N, D]``, ``r [gv, N]``; ``dX [R', N, D]``, ``t [R', D]``,
+  ``lse``/``xd [R', N, H]`` as in :func:`source_grad_local`. Returns
+  ``(acc [gv, N, D]`` in ``S``'s dtype, ``coef [gv, N, H]``, ``dt [m, D]``
+  float32) as ``stack.sources_partial`` computes them.
+  """
+  _, n, d = S.shape
+  if not sites_supported(d, h, gv):
+    raise ValueError(f"sources_partial_local: {gv} sources at D={d}, H={h}"
+                     " are not supported (see sites_supported)")
+  tu = SOURCES_TUNING
+  bt = int(tu["tokens_per_program"])
+  c = d // h
+  ca, cb = head_parts(c)
+  acc, coef, dlr = jt.triton_call(
+      S, r.astype(jnp.float32), dX, t.astype(jnp.float32), lse, xd, int(i0),
+      gv, int(j), int(m), n, kernel=sources_kernel,
+      out_shape=[jax.ShapeDtypeStruct((gv, n, d), S.dtype),
+                 jax.ShapeDtypeStruct((gv, n, h), jnp.float32),
+                 jax.ShapeDtypeStruct((n, h, gv, m), jnp.float32)],
+      grid=(triton.cdiv(n, bt), h), num_warps=int(tu["warps"]), num_stages=1,
+      D=d, H=h, C=c, CA=ca, CB=cb, G=max(16, 1 << (gv - 1).bit_length()),
+      MB=int(tu["site_block"]), BT=bt, STAGES=int(tu["stages"]),
+      LOWP=S.dtype != jnp.float32)
+  src = S[i0:i0 + gv].astype(jnp.float32).reshape(gv, n, h, c)
+  dt = jnp.einsum("nhgm,gnhc->mhc", dlr, src).reshape(m, d)
+  return acc, coef, dt
+
+
+def sources_partial(S, i0: int, gv: int, r, dX, t, lse, xd, j: int, m: int,
+                    h: int, mesh=None, batch_axes=()):
+  """:func:`sources_partial_local` on ``S [R, tokens..., D]``, ``r [gv,
+  tokens...]`` and ``[R', tokens..., *]`` buffers, under ``shard_map`` over
+  the batch axes of ``mesh`` when given (``dt`` psummed). Returns ``(acc
+  [gv, tokens..., D], coef [gv, tokens..., H], dt [m, D])``."""
+  from jax.sharding import PartitionSpec as P
+  lead = S.shape[1:-1]
+
+  def local(S, r, dX, t, lse, xd):
+    loc = S.shape[1:-1]
+    flat = lambda x: x.reshape(x.shape[0], -1, x.shape[-1])  # noqa: E731
+    acc, coef, dt = sources_partial_local(
+        flat(S), i0, gv, r.reshape(gv, -1), flat(dX), t, flat(lse), flat(xd),
+        j, m, h)
+    if mesh is not None and batch_axes:
+      dt = jax.lax.psum(dt, batch_axes)
+    return (acc.reshape(gv, *loc, S.shape[-1]), coef.reshape(gv, *loc, h),
+            dt)
+
+  if mesh is None:
+    return local(S, r, dX, t, lse, xd)
+  first = (batch_axes if len(batch_axes) > 1 else batch_axes[0]) \
+      if batch_axes else None
+  rest = [None] * (len(lead) - 1)
+  rows = P(None, first, *rest, None)   # [R, tokens..., D or H]
+  return jax.shard_map(local, mesh=mesh,
+                       in_specs=(rows, P(None, first, *rest), rows, P(), rows,
+                                 rows),
+                       out_specs=(rows, rows, P()), check_vma=False)(
+                           S, r, dX, t, lse, xd)
