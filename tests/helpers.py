@@ -88,20 +88,3 @@ def interpreted_launch(kernel, inputs, scalars, out_shapes, *, grid,
                **meta)
   return [jnp.asarray(o.numpy()).astype(s.dtype)
           for o, s in zip(outs, out_shapes)]
-
-
-def interpreted_triton_call(*args, kernel, out_shape, grid, num_warps=4,
-                            num_stages=None, input_output_aliases=None,
-                            **meta):
-  """``jax_triton.triton_call`` run by Triton's interpreter (eagerly, on
-  float32 torch tensors; outputs start as NaN): array arguments become
-  tensors, Python ints stay scalars, the outputs follow."""
-  import jax.numpy as jnp
-  import torch
-  del num_warps, num_stages
-  assert not input_output_aliases
-  conv = [x if isinstance(x, int) else to_torch(x) for x in args]
-  outs = [torch.full(s.shape, float("nan")) for s in out_shape]
-  kernel[grid](*conv, *outs, **meta)
-  return [jnp.asarray(o.numpy()).astype(s.dtype)
-          for o, s in zip(outs, out_shape)]

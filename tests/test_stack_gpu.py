@@ -58,7 +58,9 @@ def grads(impl, h, params, queries, gains, cot, heads, blocks=None,
     ((3, 160), 1280, 8, 6, (0, 0, 0, 1, 1, 2), 2),
     # groups of >= 8 sites on tensor cores (triton_stack.sites)
     ((2, 37), 64, 4, 18, None, 16), ((3, 160), 1280, 8, 17, None, 16),
-    ((2, 37), 512, 16, 18, (0,) * 9 + (1,) * 9, 2)])
+    ((2, 37), 512, 16, 18, (0,) * 9 + (1,) * 9, 2),
+    # ... and the backward's groups of sources (sources [9, 25) from 25..40)
+    ((2, 37), 64, 4, 40, None, 16)])
 def test_triton_stack_matches_reference(dtype, lead, d, heads, n, blocks,
                                         site_group):
   ks = jax.random.split(jax.random.key(d + n), 6)
@@ -121,3 +123,44 @@ def test_decoder_source_backward_on_gpu(num_blocks):
   for a, b in zip(jax.tree.leaves(out["source"][1]),
                   jax.tree.leaves(out["site"][1])):
     assert rel(a, b) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("d,heads,gv,m", [(1280, 8, 16, 37), (512, 16, 9, 5),
+                                          (1024, 8, 16, 1)])
+def test_group_kernels_match_reference(dtype, d, heads, gv, m):
+  """The tensor-core kernels alone on fresh inputs against their jnp
+  references (fp32 computed at the highest matmul precision): G sites over
+  the first rows of a source buffer, and G sources' share of the sites
+  above them (acc, coef, query-gain gradient); outputs poisoned first."""
+  from mhar_jax.kernels import reference, stack, triton_route, triton_stack
+  n_tok, rows = 1000, gv + m + 3
+  ks = jax.random.split(jax.random.key(d + gv + m), 6)
+  buf = (jax.random.normal(ks[0], (rows, n_tok, d)) * 1.3).astype(dtype)
+  r = reference.inv_rms(buf, 1e-6)
+  t = 0.5 * jax.random.normal(ks[1], (rows, d)) / np.sqrt(d / heads)
+  with jax.default_matmul_precision("highest"):
+    want = stack._sites([buf[i].astype(jnp.float32) for i in range(rows)],
+                        t[:gv].reshape(gv, heads, -1), list(r),
+                        stack._Plan(heads, 1e-6, "reference"))
+  with triton_route.poison_outputs():
+    got = jax.jit(lambda b, r, t: triton_stack.sites_local(
+        b, r, rows, t, heads))(buf, r, t[:gv])
+  tol = TOL[dtype]
+  assert rel(got[0], want[0]) <= tol and rel(got[1], want[1]) <= 1e-5
+  # sources 2 .. 2+gv-1, sites gv+2 .. gv+m+1 (a log-sum-exp of a real site)
+  i0, j = 2, gv + 2
+  dX = jax.random.normal(ks[2], (rows, n_tok, d)).astype(dtype)
+  lse = jnp.stack(list(want[1][:1]) * rows).astype(jnp.float32) + 0.5
+  xd = jax.random.normal(ks[3], (rows, n_tok, heads))
+  rg = r[i0:i0 + gv]
+  with jax.default_matmul_precision("highest"):
+    want = stack.sources_partial(buf[i0:i0 + gv].astype(jnp.float32), rg,
+                                 dX.astype(jnp.float32), t, lse, xd, j, m,
+                                 heads)
+  with triton_route.poison_outputs():
+    got = jax.jit(lambda *a: triton_stack.sources_partial_local(
+        a[0], i0, gv, *a[1:], j, m, heads))(buf, rg, dX, t, lse, xd)
+  for a, b in zip(got, want):
+    assert a.shape == b.shape
+    assert rel(a, b) <= tol, rel(a, b)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 if jax.default_backend() == "gpu":   # there tests/test_stack_gpu.py runs the real build
   pytest.skip("interpreter test: CPU only", allow_module_level=True)
 from helpers import (interpreted_kernels, interpreted_launch,  # noqa: E402
-                     interpreted_triton_call, use_triton_interpreter)
+                     use_triton_interpreter)
 
 torch = pytest.importorskip("torch")
 use_triton_interpreter()
@@ -70,7 +70,7 @@ def test_kernel_matches_reference(kernel_module, n_tok, d, h, rows, i, m,
   ds_ref, dt_ref = stack.source_grad(s, r, dX, t, lse, xd, i, h, m, start)
   ts = kernel_module
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(ts.jt, "triton_call", interpreted_triton_call, raising=False)
+    mp.setattr(ts.tr, "_launch", interpreted_launch)
     ds, dt = ts.source_grad_local(s, r, dX, t, lse, xd, i, h, m, start)
   assert dt.shape == dt_ref.shape == (rows - i if m is None else m, d)
   np.testing.assert_allclose(ds, ds_ref, rtol=0,
@@ -97,7 +97,7 @@ def test_sources_partial_matches_reference(kernel_module, n_tok, d, h, rows,
   buf, r = jnp.asarray(buf), jnp.asarray(r)
   want = stack.sources_partial(buf[i0:i0 + gv], r, dX, t, lse, xd, j, m, h)
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(ts.jt, "triton_call", interpreted_triton_call, raising=False)
+    mp.setattr(ts.tr, "_launch", interpreted_launch)
     mp.setitem(ts.SOURCES_TUNING, "tokens_per_program", bt)
     got = ts.sources_partial_local(buf, i0, gv, r, dX, t, lse, xd, j, m, h)
   for a, b in zip(got, want):
@@ -128,24 +128,15 @@ def test_routed_stack_end_to_end(kernel_module, monkeypatch, blocks, given_r,
   reading the in-place source buffer, the whole-stack buffers, the
   source-major backward kernel), every launch run eagerly by the
   interpreter, against the jnp path: values and every gradient."""
-  import sys
-  tr = sys.modules["mhar_jax.kernels.triton_route"]
   ts = kernel_module
+  tr = ts.tr
   calls = []
-
-  def counted(fn):
-    def wrapped(*a, **k):
-      calls.append(k["kernel"].__name__)
-      return fn(*a, **k)
-    return wrapped
 
   def counted_launch(kernel, *a, **k):
     calls.append(kernel.__name__)
     return interpreted_launch(kernel, *a, **k)
 
   monkeypatch.setattr(tr, "_launch", counted_launch)
-  monkeypatch.setattr(ts.jt, "triton_call", counted(interpreted_triton_call),
-                      raising=False)
   monkeypatch.setitem(tr.TUNING, "fwd_given_r", given_r)
   monkeypatch.setitem(ts.SITES_TUNING, "min_sites", 2)
   monkeypatch.setitem(ts.SITES_TUNING, "tokens_per_program", 4)
@@ -208,7 +199,7 @@ def test_sites_kernel_matches_jnp_sites(kernel_module, n, d, h, rows, s, g,
                                 t.reshape(g, h, -1), [r[i] for i in range(s)],
                                 stack._Plan(h, 1e-6, "reference"))
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(ts.jt, "triton_call", interpreted_triton_call, raising=False)
+    mp.setattr(ts.tr, "_launch", interpreted_launch)
     mp.setitem(ts.SITES_TUNING, "tokens_per_program", bt)
     out, lse = ts.sites_local(x, r, s, t, h)
   assert out.shape == (g, n, d) and lse.shape == (g, n, h)

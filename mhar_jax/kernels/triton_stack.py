@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import jax_triton as jt
 import triton
 import triton.language as tl
 
+from mhar_jax.kernels import triton_route as tr
 from mhar_jax.kernels.triton_route import (_cols, _hsum, _load, _rows, _store,
                                            _token_ids, _tokens_per_program,
                                            _zeros, head_parts, tile_meta,
@@ -52,7 +52,7 @@ TUNING: dict = {"elems_per_thread": 24, "warps": 4, "stages": 3}
 
 @triton.jit
 def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
-                       coef_ptr, I, M, N, ds_ptr, dlr_ptr,
+                       coef_ptr, ds_init, dlr_init, I, M, N, ds_ptr, dlr_ptr,
                        D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                        HP: tl.constexpr, CA: tl.constexpr, CB: tl.constexpr,
                        BN: tl.constexpr, STAGES: tl.constexpr,
@@ -65,8 +65,9 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
   later sites, ``acc_ptr [N, D]`` (source dtype) and ``coef_ptr [N, H]`` fp32
   (:func:`sources_partial`); otherwise those are unused. Outputs
   ``ds_ptr [N, D]`` (source dtype) and
-  ``dlr_ptr [M, N, H]`` fp32. Parameter order is jax-triton's: inputs, runtime
-  scalars (not specialised: one compiled kernel serves every source), outputs,
+  ``dlr_ptr [M, N, H]`` fp32. Parameter order is ``triton_route._launch``'s:
+  inputs, an unused init per output (poisoned when testing), runtime scalars
+  (not specialised: one compiled kernel serves every source), outputs,
   constexprs.
   """
   tile = tl.program_id(0)
@@ -131,14 +132,14 @@ def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
   c = d // h
   bn = tokens_per_program(d, h)
   acc, coef = (s, r) if init is None else init     # unused when not INIT
-  ds, dlr = jt.triton_call(
-      s, r.astype(jnp.float32), dX, t, lse, xd, acc, coef, i, m, n,
-      kernel=source_grad_kernel,
-      out_shape=[jax.ShapeDtypeStruct((n, d), s.dtype),
-                 jax.ShapeDtypeStruct((m, n, h), jnp.float32)],
-      grid=(triton.cdiv(n, bn),), num_warps=TUNING["warps"], num_stages=1,
-      **tile_meta(d, h), BN=bn, STAGES=TUNING["stages"],
-      INIT=init is not None)
+  ds, dlr = tr._launch(
+      source_grad_kernel, [s, r.astype(jnp.float32), dX, t, lse, xd, acc,
+                           coef], [i, m, n],
+      [jax.ShapeDtypeStruct((n, d), s.dtype),
+       jax.ShapeDtypeStruct((m, n, h), jnp.float32)],
+      grid=(triton.cdiv(n, bn),), num_warps=TUNING["warps"],
+      poison=tr.POISON, dummy=t, **tile_meta(d, h), BN=bn,
+      STAGES=TUNING["stages"], INIT=init is not None)
   dt = jnp.einsum("mnh,nhc->mhc", dlr,
                   s.astype(jnp.float32).reshape(n, h, c)).reshape(m, d)
   return ds, dt
@@ -221,7 +222,8 @@ def _dot(a, b, LOWP: tl.constexpr):
 
 
 @triton.jit
-def sites_kernel(x_ptr, r_ptr, t_ptr, S, GV, N, out_ptr, lse_ptr,
+def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
+                 lse_ptr,
                  D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                  CA: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
                  SB: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
@@ -230,7 +232,8 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, S, GV, N, out_ptr, lse_ptr,
 
   ``x_ptr [R, N, D]`` (R >= S rows of sources), ``r_ptr [S, N]`` fp32 inverse
   RMS, ``t_ptr [GV, D]`` fp32 queries * gains. Outputs ``out_ptr [GV, N, D]``
-  (the sources' dtype) and ``lse_ptr [GV, N, H]`` fp32::
+  (the sources' dtype) and ``lse_ptr [GV, N, H]`` fp32 (``*_init``: unused,
+  as in ``triton_route._launch``)::
 
       logit[g, s] = r_s <t_g, x_s>_h      lse[g] = logsumexp_s logit[g, s]
       out[g]      = sum_s exp(logit[g, s] - lse[g]) x_s
@@ -330,13 +333,13 @@ def sites_local(x, r, s: int, t, h: int):
   bt = int(tu["tokens_per_program"])
   c = d // h
   ca, cb = head_parts(c)
-  return jt.triton_call(
-      x, r.astype(jnp.float32), t.astype(jnp.float32), int(s), g, n,
-      kernel=sites_kernel,
-      out_shape=[jax.ShapeDtypeStruct((g, n, d), x.dtype),
-                 jax.ShapeDtypeStruct((g, n, h), jnp.float32)],
-      grid=(triton.cdiv(n, bt), h), num_warps=int(tu["warps"]), num_stages=1,
-      D=d, H=h, C=c, CA=ca, CB=cb, G=max(16, 1 << (g - 1).bit_length()),
+  t = t.astype(jnp.float32)
+  return tr._launch(
+      sites_kernel, [x, r.astype(jnp.float32), t], [int(s), g, n],
+      [jax.ShapeDtypeStruct((g, n, d), x.dtype),
+       jax.ShapeDtypeStruct((g, n, h), jnp.float32)],
+      grid=(triton.cdiv(n, bt), h), num_warps=int(tu["warps"]),
+      poison=tr.POISON, dummy=t, D=d, H=h, C=c, CA=ca, CB=cb, G=max(16, 1 << (g - 1).bit_length()),
       SB=int(tu["source_block"]), BT=bt, STAGES=int(tu["stages"]),
       LOWP=x.dtype != jnp.float32)
 
@@ -396,8 +399,9 @@ def _dot3(a_hi, a_lo, b_hi, b_lo, LOWP: tl.constexpr):
 
 
 @triton.jit
-def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, I0, GV, J0,
-                   M, N, acc_ptr, coef_ptr, dlr_ptr,
+def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_init,
+                   coef_init, dlr_init, I0, GV, J0, M, N, acc_ptr, coef_ptr,
+                   dlr_ptr,
                    D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                    CA: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
                    MB: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
@@ -410,7 +414,7 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, I0, GV, J0,
   ``t_ptr [R', D]`` fp32, ``lse_ptr``/``xd_ptr [R', N, H]`` fp32. Outputs
   ``acc_ptr [GV, N, D]`` (sources' dtype), ``coef_ptr [GV, N, H]`` fp32 and
   ``dlr_ptr [N, H, GV, M]`` fp32 (``dlogit * r`` of every pair, for the
-  query-gain gradient)::
+  query-gain gradient; ``*_init``: unused, as in ``triton_route._launch``)::
 
       logit[g, k] = r_g <s_g, t_k>_h        w = exp(logit - lse_k)
       dlogit      = w (<dx_k, s_g>_h - xd_k)
@@ -517,14 +521,15 @@ def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
   bt = int(tu["tokens_per_program"])
   c = d // h
   ca, cb = head_parts(c)
-  acc, coef, dlr = jt.triton_call(
-      S, r.astype(jnp.float32), dX, t.astype(jnp.float32), lse, xd, int(i0),
-      gv, int(j), int(m), n, kernel=sources_kernel,
-      out_shape=[jax.ShapeDtypeStruct((gv, n, d), S.dtype),
-                 jax.ShapeDtypeStruct((gv, n, h), jnp.float32),
-                 jax.ShapeDtypeStruct((n, h, gv, m), jnp.float32)],
-      grid=(triton.cdiv(n, bt), h), num_warps=int(tu["warps"]), num_stages=1,
-      D=d, H=h, C=c, CA=ca, CB=cb, G=max(16, 1 << (gv - 1).bit_length()),
+  t = t.astype(jnp.float32)
+  acc, coef, dlr = tr._launch(
+      sources_kernel, [S, r.astype(jnp.float32), dX, t, lse, xd],
+      [int(i0), gv, int(j), int(m), n],
+      [jax.ShapeDtypeStruct((gv, n, d), S.dtype),
+       jax.ShapeDtypeStruct((gv, n, h), jnp.float32),
+       jax.ShapeDtypeStruct((n, h, gv, m), jnp.float32)],
+      grid=(triton.cdiv(n, bt), h), num_warps=int(tu["warps"]),
+      poison=tr.POISON, dummy=t, D=d, H=h, C=c, CA=ca, CB=cb, G=max(16, 1 << (gv - 1).bit_length()),
       MB=int(tu["site_block"]), BT=bt, STAGES=int(tu["stages"]),
       LOWP=S.dtype != jnp.float32)
   src = S[i0:i0 + gv].astype(jnp.float32).reshape(gv, n, h, c)
