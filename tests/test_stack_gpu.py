@@ -147,7 +147,9 @@ def test_group_kernels_match_reference(dtype, d, heads, gv, m):
     got = jax.jit(lambda b, r, t: triton_stack.sites_local(
         b, r, rows, t, heads))(buf, r, t[:gv])
   tol = TOL[dtype]
-  assert rel(got[0], want[0]) <= tol and rel(got[1], want[1]) <= 1e-5
+  # log-sum-exps: the bf16 path's queries are two bf16 terms (~16 bits)
+  assert rel(got[0], want[0]) <= tol
+  assert rel(got[1], want[1]) <= (1e-5 if dtype == jnp.float32 else 1e-4)
   # sources 2 .. 2+gv-1, sites gv+2 .. gv+m+1 (a log-sum-exp of a real site)
   i0, j = 2, gv + 2
   dX = jax.random.normal(ks[2], (rows, n_tok, d)).astype(dtype)
