@@ -88,7 +88,9 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
       sources' dtype. With Triton, a group of at least
       ``triton_stack.SITES_TUNING["min_sites"]`` sites does its first phase
       on tensor cores (``triton_stack.sites``) over a buffer of the finished
-      sources, which the backward then reads instead of the list.
+      sources, which the backward then reads instead of the list, taking
+      the sources in groups of G too (``triton_stack.sources_partial``).
+      Full method only (blocked groups on tensor cores were slower).
 
   Returns:
     ``x_n`` ``[..., D]`` in ``h``'s dtype.
@@ -232,8 +234,10 @@ def _forward(h, params, queries, gains, consts, apply, plan, save):
   # Groups routed on tensor cores read the finished sources from one buffer
   # (rows in ``done``'s order), filled in place as they appear; it is what
   # the backward gets (the list's arrays then die as the forward moves on).
+  # Full method only: a block's group on tensor cores was slower (RESULTS.md
+  # session 12: a block's 9 sites over at most 9 sources, padded to 16).
   on_tc = {a for a, b in group_end.items()
-           if _tensor_core_group(plan, b - a, h.shape[-1])}
+           if all(ends) and _tensor_core_group(plan, b - a, h.shape[-1])}
   buf = None
   if on_tc:
     buf = jnp.zeros((sum(ends) + 1, *h.shape), h.dtype).at[0].set(h)
