@@ -212,3 +212,68 @@ def test_sites_supported(kernel_module):
   assert ok(1280, 8, 16) and ok(1024, 8, 9)
   assert not ok(576, 8, 16)      # C = 72 = 64 + 8: 8 lanes
   assert not ok(1280, 8, 1) and not ok(1280, 8, 65)
+
+
+def test_sharded_group_plumbing(kernel_module, monkeypatch):
+  """``routed_stack``'s Triton path with groups of sites and of sources under
+  a (data=4, model=2) mesh of CPU devices: every kernel wrapper's shard_map
+  specs, reshapes and ``dt`` psums, with the local kernels replaced by the
+  jnp functions they compute, against the jnp path without a mesh."""
+  from mhar_jax.parallel import make_mesh
+  ts = kernel_module
+  tr = ts.tr
+  n, d, h = 9, 64, 2      # C = 32: the tensor-core kernels take it
+  ref = stack._Plan(h, 1e-6, "reference")
+
+  def fwd_local(srcs, t, cfg, init=None, rs=None, write_r=False):
+    tg = t.reshape(t.shape[0], h, -1)
+    r = list(rs) if rs is not None else [reference.inv_rms(s, 1e-6)
+                                         for s in srcs]
+    if init is None:
+      return stack._sites(list(srcs), tg, r, ref)
+    outs, lses, i0 = init
+    res = [stack._continue(outs, lses, i0 + g, list(srcs), tg[g], r, ref)
+           for g in range(tg.shape[0])]
+    return jnp.stack([o for o, _ in res]), jnp.stack([x for _, x in res])
+
+  calls = []
+
+  def sites_local(x, r, s, t, heads):
+    calls.append("sites")
+    return stack._sites([x[i] for i in range(s)], t.reshape(t.shape[0], h, -1),
+                        list(r), ref)
+
+  def sources_partial_local(S, i0, gv, r, dX, t, lse, xd, j, m, heads):
+    calls.append("sources")
+    return stack.sources_partial(S[i0:i0 + gv], r, dX, t, lse, xd, j, m, h)
+
+  def source_grad_local(s, r, dX, t, lse, xd, i, heads, m=None, init=None):
+    return stack.source_grad(s, r, dX, t, lse, xd, i, h, m, init)
+
+  monkeypatch.setattr(tr, "_fwd_local", fwd_local)
+  monkeypatch.setattr(ts, "sites_local", sites_local)
+  monkeypatch.setattr(ts, "sources_partial_local", sources_partial_local)
+  monkeypatch.setattr(ts, "source_grad_local", source_grad_local)
+  monkeypatch.setitem(ts.SITES_TUNING, "min_sites", 2)
+  rng = np.random.default_rng(5)
+  x0 = jnp.asarray(rng.normal(size=(8, 3, d)), jnp.float32)
+  params = tuple({"w": jnp.asarray(rng.normal(size=(d, d)) / 8, jnp.float32),
+                  "b": jnp.asarray(0.1 * rng.normal(size=d), jnp.float32)}
+                 for _ in range(n))
+  q = jnp.asarray(0.5 * rng.normal(size=(n + 1, d)), jnp.float32)
+  g = jnp.asarray(1 + 0.2 * rng.normal(size=(n + 1, d)), jnp.float32)
+  mesh = make_mesh(4, 2, jax.devices()[:8])
+
+  def run(plan):
+    f = lambda *a: jnp.sum(stack._stack(*a, None, _sublayer, plan) ** 2)  # noqa: E731
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(
+        x0, params, q, g)
+
+  got = run(stack._Plan(h, 1e-6, "triton", site_group=4, mesh=mesh,
+                        batch_axes=("data",)))
+  # forward groups (0, 4), (4, 8), (8, 10); backward groups [2, 6), [0, 2)
+  assert calls == ["sites"] * 3 + ["sources"] * 2, calls
+  want = run(stack._Plan(h, 1e-6, "reference"))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=2e-5,
+                               atol=2e-5 * float(jnp.abs(b).max()))

@@ -145,6 +145,18 @@ def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
   return ds, dt
 
 
+def _specs(batch_axes, lead: int):
+  """PartitionSpecs of ``[tokens..., last]``, ``[tokens...]``, ``[R,
+  tokens..., last]`` and ``[R, tokens...]`` arrays with ``lead`` token dims,
+  the first split over ``batch_axes``."""
+  from jax.sharding import PartitionSpec as P
+  first = ((batch_axes if len(batch_axes) > 1 else batch_axes[0])
+           if batch_axes else None)
+  rest = [None] * (lead - 1)
+  return (P(first, *rest, None), P(first, *rest), P(None, first, *rest, None),
+          P(None, first, *rest))
+
+
 def source_grad(s, r, dX, t, lse, xd, i: int, h: int, mesh=None,
                 batch_axes=(), m: int | None = None, init=None):
   """:func:`source_grad_local` on ``[tokens, ...]`` arrays (``init``: None or
@@ -167,12 +179,7 @@ def source_grad(s, r, dX, t, lse, xd, i: int, h: int, mesh=None,
   init = () if init is None else tuple(init)
   if mesh is None:
     return local(s, r, dX, t, lse, xd, *init)
-  first = (batch_axes if len(batch_axes) > 1 else batch_axes[0]) \
-      if batch_axes else None
-  rest = [None] * (len(lead) - 1)
-  tok = P(first, *rest, None)          # [tokens..., D or H]
-  tok_r = P(first, *rest)              # [tokens...]
-  site = P(None, first, *rest, None)   # [R, tokens..., D or H]
+  tok, tok_r, site, _ = _specs(batch_axes, len(lead))
   return jax.shard_map(local, mesh=mesh,
                        in_specs=(tok, tok_r, site, P(), site, site,
                                  *(tok for _ in init)),
@@ -326,22 +333,29 @@ def sites_local(x, r, s: int, t, h: int):
   """
   _, n, d = x.shape
   g = t.shape[0]
+  t = t.astype(jnp.float32)
+  return _group_launch(
+      "sites_local", sites_kernel, SITES_TUNING, [x, r.astype(jnp.float32), t],
+      [int(s), g, n], [jax.ShapeDtypeStruct((g, n, d), x.dtype),
+                       jax.ShapeDtypeStruct((g, n, h), jnp.float32)],
+      x.dtype, n, d, h, g, SB=int(SITES_TUNING["source_block"]))
+
+
+def _group_launch(name, kernel, tu, inputs, scalars, out_shapes, dtype, n, d,
+                  h, g, **meta):
+  """Launches a tensor-core kernel of G rows (``g`` used) over tokens x heads
+  with tuning ``tu`` (``tokens_per_program``, ``warps``, ``stages``)."""
   if not sites_supported(d, h, g):
-    raise ValueError(f"sites_local: {g} sites at D={d}, H={h} are not"
-                     " supported (see sites_supported)")
-  tu = SITES_TUNING
+    raise ValueError(f"{name}: {g} rows at D={d}, H={h} are not supported"
+                     " (see sites_supported)")
   bt = int(tu["tokens_per_program"])
   c = d // h
   ca, cb = head_parts(c)
-  t = t.astype(jnp.float32)
   return tr._launch(
-      sites_kernel, [x, r.astype(jnp.float32), t], [int(s), g, n],
-      [jax.ShapeDtypeStruct((g, n, d), x.dtype),
-       jax.ShapeDtypeStruct((g, n, h), jnp.float32)],
-      grid=(triton.cdiv(n, bt), h), num_warps=int(tu["warps"]),
-      poison=tr.POISON, dummy=t, D=d, H=h, C=c, CA=ca, CB=cb, G=max(16, 1 << (g - 1).bit_length()),
-      SB=int(tu["source_block"]), BT=bt, STAGES=int(tu["stages"]),
-      LOWP=x.dtype != jnp.float32)
+      kernel, inputs, scalars, out_shapes, grid=(triton.cdiv(n, bt), h),
+      num_warps=int(tu["warps"]), poison=tr.POISON, dummy=inputs[0], D=d,
+      H=h, C=c, CA=ca, CB=cb, G=max(16, 1 << (g - 1).bit_length()), BT=bt,
+      STAGES=int(tu["stages"]), LOWP=dtype != jnp.float32, **meta)
 
 
 def sites(x, r, s: int, t, h: int, mesh=None, batch_axes=()):
@@ -360,12 +374,9 @@ def sites(x, r, s: int, t, h: int, mesh=None, batch_axes=()):
 
   if mesh is None:
     return local(x, r, t)
-  first = (batch_axes if len(batch_axes) > 1 else batch_axes[0]) \
-      if batch_axes else None
-  rest = [None] * (len(lead) - 1)
-  rows = P(None, first, *rest, None)   # [R or G, tokens..., D or H]
+  _, _, rows, rows_r = _specs(batch_axes, len(lead))
   return jax.shard_map(local, mesh=mesh,
-                       in_specs=(rows, P(None, first, *rest), P()),
+                       in_specs=(rows, rows_r, P()),
                        out_specs=(rows, rows), check_vma=False)(x, r, t)
 
 
@@ -514,24 +525,15 @@ def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
   float32) as ``stack.sources_partial`` computes them.
   """
   _, n, d = S.shape
-  if not sites_supported(d, h, gv):
-    raise ValueError(f"sources_partial_local: {gv} sources at D={d}, H={h}"
-                     " are not supported (see sites_supported)")
-  tu = SOURCES_TUNING
-  bt = int(tu["tokens_per_program"])
-  c = d // h
-  ca, cb = head_parts(c)
-  t = t.astype(jnp.float32)
-  acc, coef, dlr = tr._launch(
-      sources_kernel, [S, r.astype(jnp.float32), dX, t, lse, xd],
+  acc, coef, dlr = _group_launch(
+      "sources_partial_local", sources_kernel, SOURCES_TUNING,
+      [S, r.astype(jnp.float32), dX, t.astype(jnp.float32), lse, xd],
       [int(i0), gv, int(j), int(m), n],
       [jax.ShapeDtypeStruct((gv, n, d), S.dtype),
        jax.ShapeDtypeStruct((gv, n, h), jnp.float32),
        jax.ShapeDtypeStruct((n, h, gv, m), jnp.float32)],
-      grid=(triton.cdiv(n, bt), h), num_warps=int(tu["warps"]),
-      poison=tr.POISON, dummy=t, D=d, H=h, C=c, CA=ca, CB=cb, G=max(16, 1 << (gv - 1).bit_length()),
-      MB=int(tu["site_block"]), BT=bt, STAGES=int(tu["stages"]),
-      LOWP=S.dtype != jnp.float32)
+      S.dtype, n, d, h, gv, MB=int(SOURCES_TUNING["site_block"]))
+  c = d // h
   src = S[i0:i0 + gv].astype(jnp.float32).reshape(gv, n, h, c)
   dt = jnp.einsum("nhgm,gnhc->mhc", dlr, src).reshape(m, d)
   return acc, coef, dt
@@ -559,12 +561,9 @@ def sources_partial(S, i0: int, gv: int, r, dX, t, lse, xd, j: int, m: int,
 
   if mesh is None:
     return local(S, r, dX, t, lse, xd)
-  first = (batch_axes if len(batch_axes) > 1 else batch_axes[0]) \
-      if batch_axes else None
-  rest = [None] * (len(lead) - 1)
-  rows = P(None, first, *rest, None)   # [R, tokens..., D or H]
+  _, _, rows, rows_r = _specs(batch_axes, len(lead))
   return jax.shard_map(local, mesh=mesh,
-                       in_specs=(rows, P(None, first, *rest), rows, P(), rows,
+                       in_specs=(rows, rows_r, rows, P(), rows,
                                  rows),
                        out_specs=(rows, rows, P()), check_vma=False)(
                            S, r, dX, t, lse, xd)
