@@ -13,6 +13,14 @@ inputs first. Printed per tuning: tokens a program, ms (median), and the bytes
 any implementation must move (``s`` read twice, every ``dx_j`` read, ``lse``,
 ``xd`` read, ``ds`` written, ``dlr`` written and read) per second, as a share
 of a copy bandwidth measured in the same run.
+
+With ``--group G`` it times instead the share of the M sites in the
+gradients of G sources at once on tensor cores
+(:func:`~mhar_jax.kernels.triton_stack.sources_partial_local`, the grouped
+backward's first phase) under each tuning of ``triton_stack.SOURCES_TUNING``
+in ``--tunings``, against G launches of ``source_grad_local`` over the same
+sites (the ungrouped backward's work for them), each checked against its jnp
+reference (``stack.sources_partial`` / ``stack.source_grad``).
 """
 
 from __future__ import annotations
@@ -52,8 +60,13 @@ def main():
   ap.add_argument("--m", type=int, default=37)
   ap.add_argument("--tunings", default="[{}]",
                   help="JSON list of dicts merged into triton_stack.TUNING")
+  ap.add_argument("--group", type=int, default=0,
+                  help="time G sources at once on tensor cores (--tunings "
+                  "then tune triton_stack.SOURCES_TUNING)")
   ap.add_argument("--json", default="")
   a = ap.parse_args()
+  if a.group:
+    return group(a)
   from mhar_jax.kernels import triton_stack as ts   # needs a GPU jaxlib
   default = dict(ts.TUNING)
   dev = jax.devices()[0]
@@ -89,6 +102,59 @@ def main():
     with open(a.json, "w") as f:
       json.dump(dict(device=dev.device_kind, copy=cb, n=a.n, d=a.d, h=a.h,
                      m=a.m, rows=rows), f, indent=1)
+
+
+def _rel(out, ref):
+  return max(float(jnp.max(jnp.abs(o.astype(jnp.float32)
+                                   - w.astype(jnp.float32)))
+                   / jnp.max(jnp.abs(w.astype(jnp.float32))))
+             for o, w in zip(out, ref))
+
+
+def group(a):
+  """``--group G``: see the module docstring."""
+  from mhar_jax.kernels import triton_stack as ts   # needs a GPU jaxlib
+  default = dict(ts.SOURCES_TUNING)
+  dev = jax.devices()[0]
+  print(f"{dev.device_kind}: N={a.n} D={a.d} H={a.h} M={a.m} G={a.group} "
+        "bf16", flush=True)
+  srcs = [inputs(a.n, a.m, a.d, a.h, seed=g) for g in range(a.group)]
+  buf = jnp.stack([x[0] for x in srcs])
+  r = jnp.stack([x[1] for x in srcs])
+  dx, t, lse, xd = srcs[0][2:]
+  lse = jnp.maximum(lse, 3.0)      # w <= 1 for every source here
+  per = jax.jit(lambda buf, r, dx, t, lse, xd: [
+      ts.source_grad_local(buf[g], r[g], dx, t, lse, xd, 0, a.h)
+      for g in range(a.group)])
+  ref = jax.jit(lambda buf, r, *x: [stack.source_grad(buf[g], r[g], *x, 0, a.h)
+                                    for g in range(a.group)])(
+      buf, r, dx, t, lse, xd)
+  args = (buf, r, dx, t, lse, xd)
+  err = max(_rel(o, w) for o, w in zip(per(*args), ref))
+  base, _, _ = _median_ms(per, args)
+  print(f"{a.group} source_grad launches: {base:8.3f} ms  rel err {err:.1e}",
+        flush=True)
+  want = jax.jit(lambda *x: stack.sources_partial(*x, 0, a.m, a.h))(*args)
+  rows = [dict(what="source_grad x G", ms=base, rel_err=err)]
+  for tu in json.loads(a.tunings):
+    ts.SOURCES_TUNING.clear()
+    ts.SOURCES_TUNING.update(default, **tu)
+    fn = jax.jit(lambda buf, r, *x: ts.sources_partial_local(
+        buf, 0, a.group, r, *x, 0, a.m, a.h))
+    try:
+      err = _rel(fn(*args), want)
+      ms, first, _ = _median_ms(fn, args)
+    except Exception as ex:  # noqa: BLE001
+      print(f"{json.dumps(tu)}: ERROR {ex!r}"[:400], flush=True)
+      continue
+    rows.append(dict(what="sources_partial", tuning=dict(ts.SOURCES_TUNING),
+                     ms=ms, rel_err=err, compile_s=first))
+    print(f"sources_partial {json.dumps(tu):40s} {ms:8.3f} ms "
+          f"({ms / base:.3f}x)  rel err {err:.1e}", flush=True)
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump(dict(device=dev.device_kind, n=a.n, d=a.d, h=a.h, m=a.m,
+                     group=a.group, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
