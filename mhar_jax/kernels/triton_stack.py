@@ -1,4 +1,13 @@
-"""Triton kernel for the source-major backward of :mod:`mhar_jax.kernels.stack` (GPU only).
+"""Triton kernels of :mod:`mhar_jax.kernels.stack`'s whole-stack routing (GPU only).
+
+* ``source_grad_kernel``: one source's gradient from all the sites that read
+  it (the source-major backward; below).
+* ``sites_kernel``: G sites routed at once over the same sources on tensor
+  cores (the first phase of ``routed_stack(..., site_group=G)``).
+* ``sources_kernel``: the share of the sites above a group of G sources in
+  their gradients, at once on tensor cores (the grouped backward's first
+  phase; ``source_grad_kernel`` with ``INIT`` then adds each source's own
+  group's sites).
 
 One launch per source ``i`` computes, for every token, the gradient of ``s_i``
 from all ``M = n + 1 - i`` sites that read it (``stack.source_grad``, its jnp reference)::
