@@ -219,9 +219,10 @@ def _continue(outs, lses, k, sources, t_j, r, plan):
 def _forward(h, params, queries, gains, consts, apply, plan, save):
   """Runs the stack. Saved: ``done``/``done_r`` (``s_0`` and the finished block
   sums with their inv-RMS; ``done`` as the ``[len(done), ..., D]`` buffer
-  when groups of sites route on tensor cores), ``partials``/``partial_r`` (per site: the partial
-  sum it reads, or None; sites 0 .. n-1, the final site reads none), the
-  sites' outputs and log-sum-exps, the sublayers' VJPs and ``t = query * gain``."""
+  when groups of sites route on tensor cores), ``partials``/``partial_r``
+  (per site: the partial sum it reads, or None; sites 0 .. n-1, the final
+  site reads none), the sites' outputs and log-sum-exps, the sublayers' VJPs
+  and ``t = query * gain``."""
   t = (queries.astype(jnp.float32) * gains.astype(jnp.float32)).reshape(
       queries.shape[0], plan.num_heads, -1)
   ends = plan.block_ends(len(params))
@@ -365,7 +366,6 @@ def sources_partial(S, r, dX, t, lse, xd, j: int, m: int, num_heads: int):
   reference of :func:`mhar_jax.kernels.triton_stack.sources_partial`.
   """
   d = S.shape[-1]
-  lead = S.shape[1:-1]
   sh = _heads(S, num_heads).astype(jnp.float32)      # [G, ..., H, C]
   rr = r.astype(jnp.float32)[..., None]              # [G, ..., 1]
   dx = _heads(dX[j:j + m], num_heads).astype(jnp.float32)   # [m, ..., H, C]
@@ -437,7 +437,7 @@ def _stack_bwd(apply, plan, res, g):
   # share of the sites b .. n in their gradients is computed first, for the
   # whole group at once on tensor cores, and each source then adds its sites
   # i .. b-1 on its own.
-  group_of, partial = {}, None
+  group_of, share = {}, None     # share: (a, acc, coef) of the last group
   if not isinstance(done, list) and all(ends) and plan.site_group >= 2:
     for b in range(n + 1, 0, -plan.site_group):
       a = max(0, b - plan.site_group)
@@ -447,18 +447,18 @@ def _stack_bwd(apply, plan, res, g):
   def grad_of(s, r, i, m):
     """Gradient of source ``s`` read by sites ``i .. i+m-1``; adds its share
     of those sites' query-gain gradient to ``dt``."""
-    nonlocal dt, partial
+    nonlocal dt, share
     init = None
     if i in group_of:
       a, b = group_of[i]
-      if partial is None or partial[0] != a:
+      if share is None or share[0] != a:
         from mhar_jax.kernels import triton_stack
         acc, coef, dtp = triton_stack.sources_partial(
             done, a, b - a, jnp.stack(done_r[a:b]), dX, tt, lse, xd, b,
             n + 1 - b, h, plan.mesh, plan.batch_axes)
         dt = dt.at[b:].add(dtp)
-        partial = (a, acc, coef)
-      init, m = (partial[1][i - a], partial[2][i - a]), b - i
+        share = (a, acc, coef)
+      init, m = (share[1][i - a], share[2][i - a]), b - i
     if plan.use_buffers and plan.impl == "triton":
       from mhar_jax.kernels import triton_stack
       ds, dti = triton_stack.source_grad(s, r, dX, tt, lse, xd, i, h,
