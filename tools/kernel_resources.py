@@ -132,8 +132,11 @@ def main(argv=None):
                   default="fwd,fwd_r,cpass,cpass_r,bwd,bwd_r,source_grad")
   ap.add_argument("--source_grad_tuning", default="",
                   help="JSON dict merged into triton_stack.TUNING")
+  ap.add_argument("--sources_tuning", default="",
+                  help="JSON dict merged into triton_stack.SOURCES_TUNING")
   a = ap.parse_args(argv)
   ts.TUNING.update(json.loads(a.source_grad_tuning or "{}"))
+  ts.SOURCES_TUNING.update(json.loads(a.sources_tuning or "{}"))
   meta = dict(tr.tile_meta(a.d, a.h), EPS=1e-6)
   bn = tr._tokens_per_program(tr.tile_width(a.d, a.h), 16, a.warps)
   common = dict(meta, NSRC=a.nsrc, PF=a.pf, BN=bn)
@@ -165,7 +168,8 @@ def main(argv=None):
       tr.tile_meta(a.d, a.h), G=16, SB=tu["source_block"],
       BT=tu["tokens_per_program"], STAGES=tu["stages"], LOWP=True))
   tu = ts.SOURCES_TUNING
-  runs["sources"] = (ts.sources_kernel, {"s_ptr", "dx_ptr", "acc_ptr"}, dict(
+  runs["sources"] = (ts.sources_kernel, {"s_ptr", "dx_ptr", "acc_ptr", "t_ptr",
+                                            "tlo_ptr"}, dict(
       tr.tile_meta(a.d, a.h), G=16, MB=tu["site_block"],
       BT=tu["tokens_per_program"], STAGES=tu["stages"], LOWP=True))
   print(f"triton {triton.__version__}, sm_90, D={a.d} H={a.h} "

@@ -399,27 +399,28 @@ SOURCES_TUNING: dict = {"tokens_per_program": 16, "warps": 4, "stages": 3,
 
 
 @triton.jit
-def _dot_t(a, b_hi, b_lo, LOWP: tl.constexpr):
-  """``a @ (b_hi + b_lo)^T`` (LOWP: two low-precision products), else the
-  exact fp32 ``a @ b_hi^T``."""
+def _load2(hi_ptr, lo_ptr, off, mask, LOWP: tl.constexpr):
+  """The two terms ``(hi, lo)`` at ``off`` (LOWP), else ``(x, x)``."""
+  hi = tl.load(hi_ptr + off, mask=mask, other=0.0)
   if LOWP:
-    return tl.dot(a, tl.trans(b_hi)) + tl.dot(a, tl.trans(b_lo))
+    return hi, tl.load(lo_ptr + off, mask=mask, other=0.0)
   else:
-    return tl.dot(a, tl.trans(b_hi), input_precision="ieee")
+    return hi, hi
 
 
 @triton.jit
-def _dot3(a_hi, a_lo, b_hi, b_lo, LOWP: tl.constexpr):
-  """``(a_hi + a_lo) @ (b_hi + b_lo)`` without the ``lo @ lo`` term (LOWP),
-  else the exact fp32 ``a_hi @ b_hi``."""
+def _dot_lo(a, b_hi, b_lo, LOWP: tl.constexpr):
+  """``a @ (b_hi + b_lo)`` (LOWP: two low-precision products), else the
+  exact fp32 ``a @ b_hi``."""
   if LOWP:
-    return (tl.dot(a_hi, b_hi) + tl.dot(a_lo, b_hi)) + tl.dot(a_hi, b_lo)
+    return tl.dot(a, b_hi) + tl.dot(a, b_lo)
   else:
-    return tl.dot(a_hi, b_hi, input_precision="ieee")
+    return tl.dot(a, b_hi, input_precision="ieee")
 
 
 @triton.jit
-def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_init,
+def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
+                   acc_init,
                    coef_init, dlr_init, I0, GV, J0, M, N, acc_ptr, coef_ptr,
                    dlr_ptr,
                    D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
@@ -431,7 +432,9 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_init,
 
   ``s_ptr [R, N, D]`` (a source buffer), ``r_ptr [GV, N]`` fp32 the sources'
   inverse RMS; whole-stack ``dx_ptr [R', N, D]`` (site cotangents),
-  ``t_ptr [R', D]`` fp32, ``lse_ptr``/``xd_ptr [R', N, H]`` fp32. Outputs
+  ``t_ptr [R', D]`` the sites' query * gain (LOWP: its high part in the
+  sources' dtype, ``tlo_ptr`` the rest; else fp32, ``tlo_ptr`` unused),
+  ``lse_ptr``/``xd_ptr [R', N, H]`` fp32. Outputs
   ``acc_ptr [GV, N, D]`` (sources' dtype), ``coef_ptr [GV, N, H]`` fp32 and
   ``dlr_ptr [N, H, GV, M]`` fp32 (``dlogit * r`` of every pair, for the
   query-gain gradient; ``*_init``: unused, as in ``triton_route._launch``)::
@@ -483,23 +486,22 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_init,
         kk = (J0 + k).to(tl.int64)
         toff = kk[:, None] * D + h * C
         xoff = kk[:, None] * nd + row
-        ta_hi, ta_lo = _split(tl.load(t_ptr + toff + ca[None, :],
-                                      mask=km[:, None], other=0.0), dt, LOWP)
+        ta_hi, ta_lo = _load2(t_ptr, tlo_ptr, toff + ca[None, :],
+                              km[:, None], LOWP)
         dxa = tl.load(dx_ptr + xoff + ca[None, :], mask=km[:, None],
                       other=0.0)
         if not LOWP:
           dxa = dxa.to(tl.float32)
-        u = _dot_t(sa, ta_hi, ta_lo, LOWP)                 # [G, MB]
+        u = _dot_lo(sa, tl.trans(ta_hi), tl.trans(ta_lo), LOWP)   # [G, MB]
         dp = _dot(sa, tl.trans(dxa), LOWP)
         if CB > 0:
-          tb_hi, tb_lo = _split(
-              tl.load(t_ptr + toff + CA + cb[None, :],
-                      mask=km[:, None] & cbm[None, :], other=0.0), dt, LOWP)
+          tb_hi, tb_lo = _load2(t_ptr, tlo_ptr, toff + CA + cb[None, :],
+                                km[:, None] & cbm[None, :], LOWP)
           dxb = tl.load(dx_ptr + xoff + CA + cb[None, :],
                         mask=km[:, None] & cbm[None, :], other=0.0)
           if not LOWP:
             dxb = dxb.to(tl.float32)
-          u += _dot_t(sb, tb_hi, tb_lo, LOWP)
+          u += _dot_lo(sb, tl.trans(tb_hi), tl.trans(tb_lo), LOWP)
           dp += _dot(sb, tl.trans(dxb), LOWP)
         lse = tl.load(lse_ptr + kk * nh + n * H + h, mask=km, other=0.0)
         xd = tl.load(xd_ptr + kk * nh + n * H + h, mask=km, other=0.0)
@@ -510,11 +512,11 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_init,
         coef += tl.sum(dl * logit, axis=1)
         tl.store(dlr_row + g[:, None] * M + k[None, :], dlr,
                  mask=gm[:, None] & km[None, :])
-        d_hi, d_lo = _split(dlr, dt, LOWP)
         wo = w.to(dxa.dtype)
-        acca += _dot(wo, dxa, LOWP) + _dot3(d_hi, d_lo, ta_hi, ta_lo, LOWP)
+        do = dlr.to(dxa.dtype)
+        acca += _dot(wo, dxa, LOWP) + _dot_lo(do, ta_hi, ta_lo, LOWP)
         if CB > 0:
-          accb += _dot(wo, dxb, LOWP) + _dot3(d_hi, d_lo, tb_hi, tb_lo, LOWP)
+          accb += _dot(wo, dxb, LOWP) + _dot_lo(do, tb_hi, tb_lo, LOWP)
       aoff = g.to(tl.int64)[:, None] * nd + row
       tl.store(acc_ptr + aoff + ca[None, :], acca.to(dt), mask=gm[:, None])
       if CB > 0:
@@ -534,9 +536,14 @@ def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
   float32) as ``stack.sources_partial`` computes them.
   """
   _, n, d = S.shape
+  t = t.astype(jnp.float32)
+  if S.dtype != jnp.float32:          # the queries as two terms, split once
+    t, t_lo = t.astype(S.dtype), (t - t.astype(S.dtype)).astype(S.dtype)
+  else:
+    t_lo = t
   acc, coef, dlr = _group_launch(
       "sources_partial_local", sources_kernel, SOURCES_TUNING,
-      [S, r.astype(jnp.float32), dX, t.astype(jnp.float32), lse, xd],
+      [S, r.astype(jnp.float32), dX, t, t_lo, lse, xd],
       [int(i0), gv, int(j), int(m), n],
       [jax.ShapeDtypeStruct((gv, n, d), S.dtype),
        jax.ShapeDtypeStruct((gv, n, h), jnp.float32),
