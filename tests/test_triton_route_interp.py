@@ -285,6 +285,27 @@ def test_given_inverse_rms_drops_the_cross_warp_reduction(tmp_path):
     assert rows[k + "_r"]["regs"] <= rows[k]["regs"], rows
 
 
+def test_every_kernel_compiles_with_runtime_ints_of_one(tmp_path):
+  """Compiled for sm_90 with every runtime int argument equal to 1, which
+  Triton specialises to a constexpr on the GPU (``N.to(...)`` on such an
+  argument fails only then, e.g. one token a shard or the site index 1)."""
+  import os
+  import pathlib
+  import subprocess
+  import sys
+  root = pathlib.Path(__file__).resolve().parent.parent
+  env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+  res = subprocess.run(
+      [sys.executable, str(root / "tools" / "kernel_resources.py"), "--nsrc",
+       "2", "--ones", "--kernels", "fwd,fwd_r,cpass,cpass_r,bwd,bwd_r,"
+       "source_grad,source_grad_init,sites,sources"], capture_output=True,
+      text=True, env=env, cwd=tmp_path, timeout=900)
+  if res.returncode and "ptxas" in res.stderr:
+    pytest.skip("this Triton cannot compile for sm_90 here")
+  assert res.returncode == 0, res.stderr[-2000:]
+  assert res.stdout.count('"regs"') == 10, res.stdout
+
+
 @pytest.mark.parametrize("given_r", [False, True])
 def test_fwd_local_launch_plumbing(tr, monkeypatch, given_r):
   """``_fwd_local`` itself (argument order, the inverse-RMS slots, the carry

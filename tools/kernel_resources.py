@@ -134,6 +134,10 @@ def main(argv=None):
                   help="JSON dict merged into triton_stack.TUNING")
   ap.add_argument("--sources_tuning", default="",
                   help="JSON dict merged into triton_stack.SOURCES_TUNING")
+  ap.add_argument("--ones", action="store_true",
+                  help="compile with every runtime int equal to 1, which "
+                  "Triton specialises to a constexpr (code that calls "
+                  "methods on such an argument fails only then)")
   a = ap.parse_args(argv)
   ts.TUNING.update(json.loads(a.source_grad_tuning or "{}"))
   ts.SOURCES_TUNING.update(json.loads(a.sources_tuning or "{}"))
@@ -181,6 +185,8 @@ def main(argv=None):
              "sites": ts.SITES_TUNING["warps"],
              "sources": ts.SOURCES_TUNING["warps"]}.get(name, a.warps)
     cons = {k: v for k, v in cons.items() if k in fn.arg_names}
+    if a.ones:
+      cons.update({k: 1 for k in fn.arg_names if k in SCALARS})
     rows.append(report(name, *compile_kernel(fn, bf16, cons, warps), warps))
     print(json.dumps(rows[-1]), flush=True)
   return rows

@@ -96,8 +96,9 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
   else:
     acca, accb = _zeros(BN, HP, CA, CB)
     coef = tl.zeros((BN, HP), tl.float32)
-  nd = N.to(tl.int64) * D
-  nh = N.to(tl.int64) * H
+  n64 = N + tl.zeros((), tl.int64)          # N may be specialised to 1
+  nd = n64 * D
+  nh = n64 * H
   for k in tl.range(0, M, num_stages=STAGES):
     j = (I + k).to(tl.int64)
     dxa, dxb = _load(dx_ptr + j * nd, base, offa, mska, offb, mskb, CB)
