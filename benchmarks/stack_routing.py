@@ -6,7 +6,7 @@ For a preset's shape (one microbatch of ``tokens`` x ``D``, ``n = 2L``
 sublayers, H = 8, bf16) it replaces every sublayer by a per-channel scale
 (``y = x * p``: one read and one write, so the rest is routing) and times the
 forward + backward (gradients of the embedding, every ``p``, every query and
-gain) of:
+gain), and the forward alone, of:
 
 * ``prenorm``: ``x += f(x)`` (what the trivial sublayers cost without routing);
 * ``full/site``: the full method, :func:`mhar_jax.kernels.route` at every
@@ -179,19 +179,22 @@ def run_shape(name, impls, heads, seed=0, only=None, site_group=0):
       fn = timed(f).lower(*args).compile()
       copies = stack_copies(fn, n + 1)
       ms = median_ms(fn, args)
+      fwd_ms = median_ms(jax.jit(f), args)
     except Exception as e:  # noqa: BLE001  (report and go on)
       print(f"{name} {label} {impl}: FAILED {type(e).__name__}: {e}"[:400],
             flush=True)
       continue
     row = {"shape": name, "tokens": tokens, "d": d, "sublayers": n,
-           "variant": label, "impl": impl, "ms": ms, "stack_copies": copies,
+           "variant": label, "impl": impl, "ms": ms, "fwd_ms": fwd_ms,
+           "stack_copies": copies,
            "wall_s": time.perf_counter() - t0}
     if blocks is not None:
       row["fwd_bytes"], row["fwdbwd_bytes"] = routing_bytes(
           n, blocks, tokens * d * 2)
     rows.append(row)
-    print(f"{name} {label} {impl}: {ms:.2f} ms, {copies} whole-stack copies"
-          f" (wall {row['wall_s']:.0f}s)", flush=True)
+    print(f"{name} {label} {impl}: {ms:.2f} ms (forward alone {fwd_ms:.2f}),"
+          f" {copies} whole-stack copies (wall {row['wall_s']:.0f}s)",
+          flush=True)
   return rows
 
 
@@ -234,9 +237,12 @@ def main():
       with open(a.json, "w") as f:
         json.dump({"copy_bytes_per_s": bw, "rows": rows}, f, indent=1)
   base = {r["shape"]: r["ms"] for r in rows if r["variant"] == "prenorm"}
+  fwd_base = {r["shape"]: r["fwd_ms"] for r in rows
+              if r["variant"] == "prenorm"}
   print("\n| shape | variant | impl | ms / microbatch | routing ms |"
-        " min routing GB (fwd+bwd) | min bytes / routing s, % of copy |")
-  print("|---|---|---|---|---|---|---|")
+        " of which forward | min routing GB (fwd+bwd) |"
+        " min bytes / routing s, % of copy |")
+  print("|---|---|---|---|---|---|---|---|")
   for r in rows:
     extra = r["ms"] - base.get(r["shape"], 0.0)
     if "fwdbwd_bytes" in r:
@@ -244,8 +250,9 @@ def main():
       pct = f"{r['fwdbwd_bytes'] / (extra / 1e3) / bw:.0%}" if extra > 0 else "-"
     else:
       gb, pct = float("nan"), "-"
+    fwd = r["fwd_ms"] - fwd_base.get(r["shape"], 0.0)
     print(f"| {r['shape']} | {r['variant']} | {r['impl']} | {r['ms']:.2f} |"
-          f" {extra:.2f} | {gb:.2f} | {pct} |")
+          f" {extra:.2f} | {fwd:.2f} | {gb:.2f} | {pct} |")
 
 
 if __name__ == "__main__":
