@@ -88,3 +88,29 @@ def interpreted_launch(kernel, inputs, scalars, out_shapes, *, grid,
                **meta)
   return [jnp.asarray(o.numpy()).astype(s.dtype)
           for o, s in zip(outs, out_shapes)]
+
+
+def jnp_fwd_local(num_heads, eps):
+  """A stand-in for ``triton_route._fwd_local`` computing the same function
+  with the jnp two-phase routing of :mod:`mhar_jax.kernels.stack` (for tests
+  of the sharded plumbing around the kernels); checks that given inverse
+  RMS have the sources' shapes."""
+  import jax.numpy as jnp
+
+  from mhar_jax.kernels import reference, stack
+  plan = stack._Plan(num_heads, eps, "reference")
+
+  def local(srcs, t, cfg, init=None, rs=None, write_r=False):
+    assert not write_r
+    tg = t.reshape(t.shape[0], num_heads, -1)
+    r = [reference.inv_rms(s, eps) for s in srcs]
+    if rs is not None:
+      assert [x.shape for x in rs] == [x.shape for x in r]
+      r = list(rs)
+    if init is None:
+      return stack._sites(list(srcs), tg, r, plan)
+    outs, lses, i0 = init
+    res = [stack._continue(outs, lses, i0 + g, list(srcs), tg[g], r, plan)
+           for g in range(tg.shape[0])]
+    return jnp.stack([o for o, _ in res]), jnp.stack([x for _, x in res])
+  return local

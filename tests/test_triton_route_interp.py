@@ -19,7 +19,7 @@ import jax.numpy as jnp
 if jax.default_backend() == "gpu":   # there tests/test_triton_route.py runs
   pytest.skip("interpreter test: CPU only", allow_module_level=True)
 from helpers import (interpreted_kernels, interpreted_launch,  # noqa: E402
-                     use_triton_interpreter)
+                     jnp_fwd_local, use_triton_interpreter)
 from helpers import to_torch as _T  # noqa: E402
 
 torch = pytest.importorskip("torch")
@@ -221,26 +221,9 @@ def test_sharded_two_phase_plumbing(tr, monkeypatch):
   continuing rows of an earlier result: the shard_map specs, reshapes and
   row offset, with ``_fwd_local`` replaced by the jnp two-phase routing
   (kernels.stack) that the kernels compute."""
-  from mhar_jax.kernels import stack
   from mhar_jax.parallel import make_mesh
   h, d = 2, 16
-  plan = stack._Plan(h, EPS, "reference")
-
-  def local(srcs, t, cfg, init=None, rs=None, write_r=False):
-    assert not write_r
-    tg = t.reshape(t.shape[0], h, -1)
-    r = [reference.inv_rms(s, EPS) for s in srcs]
-    if rs is not None:      # the continuation below passes them in
-      assert [x.shape for x in rs] == [x.shape for x in r]
-      r = list(rs)
-    if init is None:
-      return stack._sites(list(srcs), tg, r, plan)
-    outs, lses, i0 = init
-    res = [stack._continue(outs, lses, i0 + g, list(srcs), tg[g], r, plan)
-           for g in range(tg.shape[0])]
-    return jnp.stack([o for o, _ in res]), jnp.stack([l for _, l in res])
-
-  monkeypatch.setattr(tr, "_fwd_local", local)
+  monkeypatch.setattr(tr, "_fwd_local", jnp_fwd_local(h, EPS))
   mesh = make_mesh(4, 2, jax.devices()[:8])
   rng = np.random.default_rng(3)
   srcs = [jnp.asarray(rng.normal(size=(8, 3, d)), jnp.float32)

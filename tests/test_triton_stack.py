@@ -15,7 +15,7 @@ import jax.numpy as jnp
 if jax.default_backend() == "gpu":   # there tests/test_stack_gpu.py runs the real build
   pytest.skip("interpreter test: CPU only", allow_module_level=True)
 from helpers import (interpreted_kernels, interpreted_launch,  # noqa: E402
-                     use_triton_interpreter)
+                     jnp_fwd_local, use_triton_interpreter)
 
 torch = pytest.importorskip("torch")
 use_triton_interpreter()
@@ -225,17 +225,6 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch):
   n, d, h = 9, 64, 2      # C = 32: the tensor-core kernels take it
   ref = stack._Plan(h, 1e-6, "reference")
 
-  def fwd_local(srcs, t, cfg, init=None, rs=None, write_r=False):
-    tg = t.reshape(t.shape[0], h, -1)
-    r = list(rs) if rs is not None else [reference.inv_rms(s, 1e-6)
-                                         for s in srcs]
-    if init is None:
-      return stack._sites(list(srcs), tg, r, ref)
-    outs, lses, i0 = init
-    res = [stack._continue(outs, lses, i0 + g, list(srcs), tg[g], r, ref)
-           for g in range(tg.shape[0])]
-    return jnp.stack([o for o, _ in res]), jnp.stack([x for _, x in res])
-
   calls = []
 
   def sites_local(x, r, s, t, heads):
@@ -250,7 +239,7 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch):
   def source_grad_local(s, r, dX, t, lse, xd, i, heads, m=None, init=None):
     return stack.source_grad(s, r, dX, t, lse, xd, i, h, m, init)
 
-  monkeypatch.setattr(tr, "_fwd_local", fwd_local)
+  monkeypatch.setattr(tr, "_fwd_local", jnp_fwd_local(h, 1e-6))
   monkeypatch.setattr(ts, "sites_local", sites_local)
   monkeypatch.setattr(ts, "sources_partial_local", sources_partial_local)
   monkeypatch.setattr(ts, "source_grad_local", source_grad_local)

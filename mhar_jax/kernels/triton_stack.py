@@ -446,8 +446,8 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
 
   As :func:`sites_kernel`: per token, ``[G, C] x [C, MB]`` then ``[G, MB] x
   [MB, C]`` products (G >= 16 >= GV rows, masked), C as two parts; LOWP:
-  16-bit products with the queries and ``dlogit r`` as two terms each and
-  ``w`` rounded once; otherwise exact fp32.
+  16-bit products, the queries as two terms (split by the caller), ``w`` and
+  ``dlogit r`` rounded once; otherwise exact fp32.
   """
   tile = tl.program_id(0)
   h = tl.program_id(1)
