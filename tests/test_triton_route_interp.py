@@ -396,13 +396,20 @@ def test_sharded_route_backward_plumbing(tr, monkeypatch):
     _close(np.asarray(x[..., 0]), reference.inv_rms(src, EPS))
 
 
-@pytest.mark.parametrize("given_r", [False, True])
+@pytest.mark.parametrize("given_r", [False, True, "cpass"])
 def test_route_custom_vjp_end_to_end(tr, monkeypatch, given_r):
   """``route()``'s custom VJP (forward residuals, the inverse RMS passed to
-  the backward when ``bwd_given_r``) on 18 sources, every launch run by the
-  interpreter (eagerly: the launches need concrete arrays), against the
-  reference's values and gradients."""
-  monkeypatch.setattr(tr, "_launch", interpreted_launch)
+  the backward's kernels when ``bwd_given_r``, to the c-pass alone when
+  "cpass") on 18 sources, every launch run by the interpreter (eagerly: the
+  launches need concrete arrays), against the reference's values and
+  gradients."""
+  seen = []
+
+  def launch(kernel, *a, **k):
+    seen.append((kernel.__name__, k.get("HAS_R")))
+    return interpreted_launch(kernel, *a, **k)
+
+  monkeypatch.setattr(tr, "_launch", launch)
   monkeypatch.setitem(tr.TUNING, "bwd_given_r", given_r)
   n_tok, d, h, s = 4, 320, 2, 18
   rng = np.random.default_rng(9)
@@ -421,3 +428,7 @@ def test_route_custom_vjp_end_to_end(tr, monkeypatch, given_r):
   _close(np.asarray(out), want)
   for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(vjp_ref(g))):
     _close(np.asarray(got), ref)
+  has_r = {k: {r for name, r in seen if name == k}
+           for k in ("_cpass_kernel", "_bwd_kernel")}
+  assert has_r == {"_cpass_kernel": {bool(given_r)},
+                   "_bwd_kernel": {given_r is True}}, has_r
