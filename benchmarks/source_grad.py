@@ -84,11 +84,7 @@ def main():
     ts.TUNING.update(default, **tu)
     fn = jax.jit(lambda *x: ts.source_grad_local(*x, 0, a.h))
     try:
-      out = fn(*args)
-      err = max(float(jnp.max(jnp.abs(o.astype(jnp.float32)
-                                      - w.astype(jnp.float32)))
-                      / jnp.max(jnp.abs(w.astype(jnp.float32))))
-                for o, w in zip(out, ref))
+      err = _rel(fn(*args), ref)
       ms, first, _ = _median_ms(fn, args)
     except Exception as ex:  # noqa: BLE001
       print(f"{json.dumps(tu)}: ERROR {ex!r}"[:400], flush=True)
@@ -123,13 +119,12 @@ def group(a):
   r = jnp.stack([x[1] for x in srcs])
   dx, t, lse, xd = srcs[0][2:]
   lse = jnp.maximum(lse, 3.0)      # w <= 1 for every source here
-  per = jax.jit(lambda buf, r, dx, t, lse, xd: [
-      ts.source_grad_local(buf[g], r[g], dx, t, lse, xd, 0, a.h)
-      for g in range(a.group)])
-  ref = jax.jit(lambda buf, r, *x: [stack.source_grad(buf[g], r[g], *x, 0, a.h)
-                                    for g in range(a.group)])(
-      buf, r, dx, t, lse, xd)
   args = (buf, r, dx, t, lse, xd)
+  per = jax.jit(lambda buf, r, *x: [
+      ts.source_grad_local(buf[g], r[g], *x, 0, a.h) for g in range(a.group)])
+  ref = jax.jit(lambda buf, r, *x: [
+      stack.source_grad(buf[g], r[g], *x, 0, a.h) for g in range(a.group)])(
+          *args)
   err = max(_rel(o, w) for o, w in zip(per(*args), ref))
   base, _, _ = _median_ms(per, args)
   print(f"{a.group} source_grad launches: {base:8.3f} ms  rel err {err:.1e}",

@@ -1799,7 +1799,7 @@ def _route(srcs, query, norm_scale, cfg):
 
 def _route_fwd(srcs, query, norm_scale, cfg):
   out, lse, *rs = _fwd_impl(srcs, _t(query, norm_scale)[None], cfg,
-                            write_r=cfg.bwd_given_r)
+                            write_r=bool(cfg.bwd_given_r))
   return out[0], (srcs, query, norm_scale, lse[0],
                   None if cfg.exact_bwd else out[0], rs[0] if rs else None)
 
