@@ -3,7 +3,9 @@
 Skipped unless JAX's default backend is a GPU and jax_triton imports (run on
 the device with ``JAX_PLATFORMS=cuda``). Values and gradients (embedding,
 every sublayer parameter, queries, gains) on fresh random inputs, float32 to
-1e-5 and bfloat16 to 1e-2 relative (to the largest element of the reference).
+1e-5 relative (to the largest element of the reference); bfloat16 against the
+float32 computation on the same inputs, to 1e-2 or 1.5x the bfloat16
+reference's own error, whichever is larger (rounding compounds in deep stacks).
 """
 
 from __future__ import annotations
@@ -70,13 +72,25 @@ def test_triton_stack_matches_reference(dtype, lead, d, heads, n, blocks,
   queries = 0.5 * jax.random.normal(ks[2], (n + 1, d)) / np.sqrt(d / heads)
   gains = 1 + 0.3 * jax.random.normal(ks[3], (n + 1, d))
   cot = jax.random.normal(ks[4], lead + (d,))
-  (gt, out_t) = grads("triton", h, params, queries, gains, cot, heads, blocks,
-                      site_group)
-  (gr, out_r) = grads("reference", h, params, queries, gains, cot, heads, blocks)
-  tol = TOL[dtype]
-  assert rel(out_t, out_r) <= tol
-  for a, b in zip(jax.tree.leaves(gt), jax.tree.leaves(gr)):
-    assert rel(a, b) <= tol, rel(a, b)
+  got = grads("triton", h, params, queries, gains, cot, heads, blocks,
+              site_group)
+  want = grads("reference", h, params, queries, gains, cot, heads, blocks)
+  if dtype == jnp.float32:
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert rel(a, b) <= TOL[dtype], rel(a, b)
+    return
+  # bf16: both paths round at every sublayer, differently, and in a deep
+  # stack the rounding compounds (at n = 40 the bf16 reference itself is
+  # 1.4% off). Each is measured against the fp32 computation on the same
+  # (bf16-valued) inputs: the kernel's error may be the tolerance or 1.5x
+  # the bf16 reference's own, whichever is larger.
+  exact = grads("reference", h.astype(jnp.float32), params, queries, gains,
+                cot, heads, blocks)
+  leaves = zip(jax.tree.leaves(got), jax.tree.leaves(want),
+               jax.tree.leaves(exact))
+  for k, (a, b, c) in enumerate(leaves):
+    err, ref_err = rel(a, c), rel(b, c)
+    assert err <= max(TOL[dtype], 1.5 * ref_err), (k, err, ref_err)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
