@@ -107,12 +107,12 @@ def routing_bytes(n, blocks, e):
 
 
 def stack_copies(compiled, rows):
-  """Copies of whole-stack buffers (leading dim ``rows``) in a compiled
-  function's optimised HLO: an in-place buffer update that XLA could not
+  """The shapes of the whole-stack buffers (leading dim ``rows``) a compiled
+  function's optimised HLO copies: an in-place buffer update that XLA could not
   keep in place shows up here (and costs the whole buffer per update)."""
-  pat = re.compile(rf"= \w+\[{rows},[^\]]*\][^ ]* (copy|copy-start)\(")
-  return sum(1 for line in compiled.as_text().splitlines()
-             if pat.search(line))
+  pat = re.compile(rf"= (\w+\[{rows},[^\]]*\])[^ ]* (copy|copy-start)\(")
+  return [m.group(1) for m in map(pat.search, compiled.as_text().splitlines())
+          if m]
 
 
 def median_ms(fn, args, reps=9):
@@ -193,7 +193,8 @@ def run_shape(name, impls, heads, seed=0, only=None, site_group=0):
           n, blocks, tokens * d * 2)
     rows.append(row)
     print(f"{name} {label} {impl}: {ms:.2f} ms (forward alone {fwd_ms:.2f}),"
-          f" {copies} whole-stack copies (wall {row['wall_s']:.0f}s)",
+          f" {len(copies)} whole-stack copies {copies}"
+          f" (wall {row['wall_s']:.0f}s)",
           flush=True)
   return rows
 
