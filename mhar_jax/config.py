@@ -24,6 +24,8 @@ def base_config() -> ml_collections.ConfigDict:
       dataclasses.asdict(TransformerConfig()))
   c.model.attention_impl = ml_collections.FieldReference(None,
                                                          field_type=str)
+  c.model.routing_site_group = ml_collections.FieldReference(None,
+                                                             field_type=int)
 
   c.data = ml_collections.ConfigDict()
   c.data.data_dir = ""            # "" -> the tiny corpus the package ships

@@ -266,3 +266,26 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch):
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=2e-5,
                                atol=2e-5 * float(jnp.abs(b).max()))
+
+
+@pytest.mark.parametrize("impl,d,h,blocks,site_group,want", [
+    ("triton", 64, 4, None, None, 16),      # full method, C = 16: on tensor cores
+    ("triton", 64, 4, (0, 0, 1), None, 0),  # blocked: each site alone
+    ("triton", 72, 8, None, None, 0),       # C = 9: too narrow for tl.dot
+    ("reference", 64, 4, None, None, 0),    # jnp: each site alone
+    ("triton", 64, 4, None, 0, 0), ("reference", 64, 4, None, 5, 5)])
+def test_automatic_site_group(kernel_module, monkeypatch, impl, d, h, blocks,
+                              site_group, want):
+  """``routed_stack(site_group=None)`` groups 16 sites where the groups route
+  on tensor cores and none elsewhere; a given value is kept."""
+  plans = []
+  monkeypatch.setattr(stack, "_stack",
+                      lambda *a: plans.append(a[-1]) or a[0])
+  monkeypatch.setattr(kernel_module.tr, "sharding_plan", lambda x: (None, ()))
+  import mhar_jax.kernels
+  monkeypatch.setattr(mhar_jax.kernels, "resolve_impl", lambda i: i)
+  x = jnp.zeros((2, d))
+  stack.routed_stack(x, [None] * 3, _sublayer, jnp.zeros((4, d)),
+                     jnp.ones((4, d)), num_heads=h, impl=impl, blocks=blocks,
+                     site_group=site_group)
+  assert plans[0].site_group == want

@@ -79,8 +79,10 @@ class TransformerConfig:
   routing_backward: str = "auto"   # "auto" | "site" | "source" (attnres / mhar)
   # Source-major stacks: route sites two-phase in groups (routed_stack's
   # site_group: 0 each site alone; G >= 2 groups of G sites, by block when
-  # blocked). Same function up to rounding; an implementation choice.
-  routing_site_group: int = 0
+  # blocked; None: groups of 16 where they run on tensor cores, i.e. Triton
+  # and the full method, else 0). Same function up to rounding; an
+  # implementation choice.
+  routing_site_group: int | None = None
   remat: bool = False
 
   def __post_init__(self):
@@ -123,10 +125,11 @@ class TransformerConfig:
         "attnres", "mhar"):
       bad("routing_backward", "'source' is for AttnRes / MHAR (full or"
           f" block); got model.residual={self.residual!r}.")
-    if (not isinstance(self.routing_site_group, int)
+    if self.routing_site_group is not None and (
+        not isinstance(self.routing_site_group, int)
         or self.routing_site_group < 0):
-      bad("routing_site_group", "must be an integer >= 0 (0: every site on"
-          " its own).")
+      bad("routing_site_group", "must be None (automatic) or an integer >= 0"
+          " (0: every site on its own).")
     if self.routing_site_group and not self.source_major_backward:
       bad("routing_site_group", "groups sites of the source-major stack"
           " (AttnRes / MHAR with routing_backward 'auto' or 'source');"
