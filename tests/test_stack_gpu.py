@@ -111,13 +111,16 @@ def test_triton_stack_kernel_inverse_rms(monkeypatch, dtype, lead, d, heads,
                                       site_group)
 
 
-@pytest.mark.parametrize("num_blocks", [0, 2])
-def test_decoder_source_backward_on_gpu(num_blocks):
+@pytest.mark.parametrize("num_blocks,num_layers", [(0, 3), (2, 3), (0, 13)])
+def test_decoder_source_backward_on_gpu(num_blocks, num_layers):
+  """The decoder's default source-major stack (Triton; 13 layers: 27 sites,
+  so the default groups of 16 route on tensor cores forward, sites 0-15 and
+  16-26, and backward, sources 0-10) against the jnp site-by-site one."""
   from flax import nnx
 
   from mhar_jax import training
   from mhar_jax.layers import Transformer, TransformerConfig
-  kw = dict(vocab_size=256, d_model=128, num_layers=3, num_heads=4,
+  kw = dict(vocab_size=256, d_model=128, num_layers=num_layers, num_heads=4,
             num_kv_heads=2, head_dim=32, ffn_dim=256, max_seq_len=64,
             residual="mhar", routing_heads=8, dtype="float32",
             attention_impl="xla", num_blocks=num_blocks)
