@@ -245,7 +245,8 @@ def test_given_inverse_rms_drops_the_cross_warp_reduction(tmp_path):
   """Compiled for sm_90 (no GPU needed; tools/kernel_resources.py, in its own
   process: this one runs Triton's interpreter), the forward and the c-pass
   that read each source's inverse RMS need fewer barriers and no more
-  registers than those that sum squares across warps."""
+  registers than those that sum squares across warps; ``--opcodes`` lists
+  the loop body's most frequent opcodes."""
   import json
   import os
   import pathlib
@@ -255,9 +256,9 @@ def test_given_inverse_rms_drops_the_cross_warp_reduction(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
   res = subprocess.run(
       [sys.executable, str(root / "tools" / "kernel_resources.py"), "--nsrc",
-       "4", "--kernels", "fwd,fwd_r,cpass,cpass_r"], capture_output=True,
-      text=True,
-      env=env, cwd=tmp_path, timeout=600)
+       "4", "--kernels", "fwd,fwd_r,cpass,cpass_r,source_grad", "--opcodes",
+       "3"], capture_output=True, text=True, env=env, cwd=tmp_path,
+      timeout=600)
   if res.returncode and "ptxas" in res.stderr:
     pytest.skip("this Triton cannot compile for sm_90 here")
   assert res.returncode == 0, res.stderr[-2000:]
@@ -266,6 +267,11 @@ def test_given_inverse_rms_drops_the_cross_warp_reduction(tmp_path):
   for k in ("fwd", "cpass"):
     assert rows[k + "_r"]["barriers"] < rows[k]["barriers"], rows
     assert rows[k + "_r"]["regs"] <= rows[k]["regs"], rows
+  for row in rows.values():       # --opcodes: a histogram of the loop body
+    ops = row["loop_opcodes"]     # (empty where every loop is unrolled)
+    assert sum(ops.values()) <= row["loop_sass"], row
+    assert len(ops) == (3 if row["loop_sass"] else 0), row
+  assert rows["source_grad"]["loop_sass"] > 0, rows     # its loop over sites
 
 
 def test_every_kernel_compiles_with_runtime_ints_of_one(tmp_path):

@@ -17,11 +17,13 @@ as jax-triton marks them::
 
     python tools/kernel_resources.py                       # D 1280, H 8
     python tools/kernel_resources.py --d 1024 --pf 2 --warps 8
+    python tools/kernel_resources.py --kernels sources --opcodes 12   # + loop opcodes
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -82,9 +84,10 @@ def compile_kernel(fn, bf16, constexprs, warps):
   return cc, usage, sass
 
 
-def sass_counts(sass):
-  """``(instructions, instructions of the largest loop body)`` of a kernel's
-  SASS; a loop is a branch back to an earlier label (0 when none)."""
+def sass_loops(sass):
+  """``(instructions, the largest loop body's instructions)`` of a kernel's
+  SASS (each an opcode with operands); a loop is a branch back to an earlier
+  label (an empty body when none)."""
   label_at, pending, insts = {}, [], []
   for line in sass.splitlines():
     m = re.match(r"\s*\.(L_x_\d+):", line)
@@ -97,18 +100,27 @@ def sass_counts(sass):
       label_at.update((p, addr) for p in pending)
       pending = []
       insts.append((addr, m.group(2)))
-  loop = 0
+  loop = []
   for addr, ins in insts:
     m = re.search(r"BRA.*`\(\.(L_x_\d+)\)", ins)
     if m and label_at.get(m.group(1), addr) < addr:
       start = label_at[m.group(1)]
-      loop = max(loop, sum(1 for a, _ in insts if start <= a <= addr))
-  return len(insts), loop
+      body = [i for a, i in insts if start <= a <= addr]
+      loop = max(loop, body, key=len)
+  return [i for _, i in insts], loop
 
 
-def report(name, cc, usage, sass, warps):
+def opcodes(insts, top=12):
+  """The ``top`` most frequent opcodes (predicate and modifiers stripped)."""
+  ops = collections.Counter(
+      re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0]
+      for i in insts)
+  return dict(ops.most_common(top))
+
+
+def report(name, cc, usage, sass, warps, top=0):
   ptx, ttgir = cc.asm["ptx"], cc.asm["ttgir"]
-  total, loop = sass_counts(sass)
+  insts, loop = sass_loops(sass)
   regs = int(re.search(r"REG:(\d+)", usage).group(1))
   stack = int(re.search(r"STACK:(\d+)", usage).group(1))
   programs = min(32, 65536 // (regs * 32 * warps), 64 // warps)
@@ -118,7 +130,9 @@ def report(name, cc, usage, sass, warps):
               barriers=ptx.count("bar.sync") + ptx.count("barrier.sync"),
               layout_conversions=ttgir.count("ttg.convert_layout"),
               vector_loads=len(re.findall(r"ld\.global[.a-z0-9]*\.v\d", ptx)),
-              loads=ptx.count("ld.global"), sass=total, loop_sass=loop)
+              loads=ptx.count("ld.global"), sass=len(insts),
+              loop_sass=len(loop),
+              **({"loop_opcodes": opcodes(loop, top)} if top else {}))
 
 
 def main(argv=None):
@@ -138,6 +152,9 @@ def main(argv=None):
                   help="compile with every runtime int equal to 1, which "
                   "Triton specialises to a constexpr (code that calls "
                   "methods on such an argument fails only then)")
+  ap.add_argument("--opcodes", type=int, default=0,
+                  help="also list this many of the largest loop body's most"
+                  " frequent opcodes")
   a = ap.parse_args(argv)
   ts.TUNING.update(json.loads(a.source_grad_tuning or "{}"))
   ts.SOURCES_TUNING.update(json.loads(a.sources_tuning or "{}"))
@@ -187,7 +204,8 @@ def main(argv=None):
     cons = {k: v for k, v in cons.items() if k in fn.arg_names}
     if a.ones:
       cons.update({k: 1 for k in fn.arg_names if k in SCALARS})
-    rows.append(report(name, *compile_kernel(fn, bf16, cons, warps), warps))
+    rows.append(report(name, *compile_kernel(fn, bf16, cons, warps), warps,
+                       a.opcodes))
     print(json.dumps(rows[-1]), flush=True)
   return rows
 
