@@ -147,7 +147,7 @@ def test_decoder_source_backward_on_gpu(num_blocks, num_layers):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("d,heads,gv,m", [(1280, 8, 16, 37), (512, 16, 9, 5),
-                                          (1024, 8, 16, 1)])
+                                          (1024, 8, 16, 1), (1280, 8, 16, 32)])
 def test_group_kernels_match_reference(dtype, d, heads, gv, m):
   """The tensor-core kernels alone on fresh inputs against their jnp
   references (fp32 computed at the highest matmul precision): G sites over

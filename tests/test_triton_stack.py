@@ -83,6 +83,8 @@ def test_kernel_matches_reference(kernel_module, n_tok, d, h, rows, i, m,
     (5, 320, 2, 12, 2, 4, 6, 5, 2),    # C = 160 = 128 + 32; 4 of 16 rows
     (3, 64, 4, 40, 0, 16, 16, 24, 4),  # two site blocks, the second ragged
     (4, 128, 1, 6, 3, 2, 5, 1, 8),     # one site; AttnRes (H = 1); BT > N
+    (3, 64, 4, 40, 0, 8, 8, 32, 4),    # whole site blocks: the unmasked loop
+    (5, 320, 2, 24, 2, 4, 8, 16, 2),   # ... with C = 128 + 32
 ])
 def test_sources_partial_matches_reference(kernel_module, n_tok, d, h, rows,
                                            i0, gv, j, m, bt):

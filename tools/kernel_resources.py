@@ -152,6 +152,9 @@ def main(argv=None):
                   help="compile with every runtime int equal to 1, which "
                   "Triton specialises to a constexpr (code that calls "
                   "methods on such an argument fails only then)")
+  ap.add_argument("--even_sites", type=int, default=1,
+                  help="sources kernel: 1 compiles the variant for a site"
+                  " count that is a multiple of the site block (unmasked)")
   ap.add_argument("--opcodes", type=int, default=0,
                   help="also list this many of the largest loop body's most"
                   " frequent opcodes")
@@ -192,7 +195,8 @@ def main(argv=None):
   runs["sources"] = (ts.sources_kernel, {"s_ptr", "dx_ptr", "acc_ptr", "t_ptr",
                                             "tlo_ptr"}, dict(
       tr.tile_meta(a.d, a.h), G=16, MB=tu["site_block"],
-      BT=tu["tokens_per_program"], STAGES=tu["stages"], LOWP=True))
+      BT=tu["tokens_per_program"], STAGES=tu["stages"], LOWP=True,
+      EVEN_M=a.even_sites))
   print(f"triton {triton.__version__}, sm_90, D={a.d} H={a.h} "
         f"NSRC={a.nsrc} PF={a.pf} warps={a.warps} BN={bn}", flush=True)
   rows = []

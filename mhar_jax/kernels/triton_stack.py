@@ -393,18 +393,31 @@ def sites(x, r, s: int, t, h: int, mesh=None, batch_axes=()):
 # The backward's counterpart (``routed_stack(..., site_group=G)``'s backward):
 # the share of the sites above a group of G sources in those sources'
 # gradients, per token and head as tensor-core products over blocks of
-# ``site_block`` sites. Not yet timed on the GPU: these are the forward's
-# settings.
+# ``site_block`` sites. On the H200 (RESULTS.md session 13; 16 sources x 48
+# sites, D 1280) 0.279x the time of 16 source_grad launches; these settings
+# were the best of five (2 stages, 4 tokens a program, 8 warps, 32 sites a
+# block were 1-72% slower). A site count that is a multiple of the block
+# compiles without the loop's masks (every group at 1b and 350m).
 SOURCES_TUNING: dict = {"tokens_per_program": 16, "warps": 4, "stages": 3,
                         "site_block": 16}
 
 
 @triton.jit
-def _load2(hi_ptr, lo_ptr, off, mask, LOWP: tl.constexpr):
+def _load_tile(ptr, mask, FULL: tl.constexpr):
+  """``tl.load(ptr)`` where ``mask`` is known to be all true (FULL), else
+  masked with zeros."""
+  if FULL:
+    return tl.load(ptr)
+  else:
+    return tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
+def _load2(hi_ptr, lo_ptr, off, mask, LOWP: tl.constexpr, FULL: tl.constexpr):
   """The two terms ``(hi, lo)`` at ``off`` (LOWP), else ``(x, x)``."""
-  hi = tl.load(hi_ptr + off, mask=mask, other=0.0)
+  hi = _load_tile(hi_ptr + off, mask, FULL)
   if LOWP:
-    return hi, tl.load(lo_ptr + off, mask=mask, other=0.0)
+    return hi, _load_tile(lo_ptr + off, mask, FULL)
   else:
     return hi, hi
 
@@ -427,7 +440,7 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
                    D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                    CA: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
                    MB: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
-                   LOWP: tl.constexpr):
+                   LOWP: tl.constexpr, EVEN_M: tl.constexpr):
   """BT tokens of head ``program_id(1)``: the share of the sites ``J0 ..
   J0+M-1`` in the gradients of the GV sources in rows ``I0 .. I0+GV-1``.
 
@@ -488,26 +501,29 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
         toff = kk[:, None] * D + h * C
         xoff = kk[:, None] * nd + row
         ta_hi, ta_lo = _load2(t_ptr, tlo_ptr, toff + ca[None, :],
-                              km[:, None], LOWP)
-        dxa = tl.load(dx_ptr + xoff + ca[None, :], mask=km[:, None],
-                      other=0.0)
+                              km[:, None], LOWP, EVEN_M)
+        dxa = _load_tile(dx_ptr + xoff + ca[None, :], km[:, None], EVEN_M)
         if not LOWP:
           dxa = dxa.to(tl.float32)
         u = _dot_lo(sa, tl.trans(ta_hi), tl.trans(ta_lo), LOWP)   # [G, MB]
         dp = _dot(sa, tl.trans(dxa), LOWP)
         if CB > 0:
-          tb_hi, tb_lo = _load2(t_ptr, tlo_ptr, toff + CA + cb[None, :],
-                                km[:, None] & cbm[None, :], LOWP)
-          dxb = tl.load(dx_ptr + xoff + CA + cb[None, :],
-                        mask=km[:, None] & cbm[None, :], other=0.0)
+          kbm = km[:, None] & cbm[None, :]
+          tb_hi, tb_lo = _load2(t_ptr, tlo_ptr, toff + CA + cb[None, :], kbm,
+                                LOWP, EVEN_M and CB == C - CA)
+          dxb = _load_tile(dx_ptr + xoff + CA + cb[None, :], kbm,
+                      EVEN_M and CB == C - CA)
           if not LOWP:
             dxb = dxb.to(tl.float32)
           u += _dot_lo(sb, tl.trans(tb_hi), tl.trans(tb_lo), LOWP)
           dp += _dot(sb, tl.trans(dxb), LOWP)
-        lse = tl.load(lse_ptr + kk * nh + n * H + h, mask=km, other=0.0)
-        xd = tl.load(xd_ptr + kk * nh + n * H + h, mask=km, other=0.0)
+        lse = _load_tile(lse_ptr + kk * nh + n * H + h, km, EVEN_M)
+        xd = _load_tile(xd_ptr + kk * nh + n * H + h, km, EVEN_M)
         logit = rg[:, None] * u
-        w = tl.where(km[None, :], tl.exp(logit - lse[None, :]), 0.0)
+        if EVEN_M:
+          w = tl.exp(logit - lse[None, :])
+        else:
+          w = tl.where(km[None, :], tl.exp(logit - lse[None, :]), 0.0)
         dl = w * (dp - xd[None, :])
         dlr = dl * rg[:, None]
         coef += tl.sum(dl * logit, axis=1)
@@ -537,6 +553,7 @@ def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
   float32) as ``stack.sources_partial`` computes them.
   """
   _, n, d = S.shape
+  mb = int(SOURCES_TUNING["site_block"])
   t = t.astype(jnp.float32)
   if S.dtype != jnp.float32:          # the queries as two terms, split once
     t, t_lo = t.astype(S.dtype), (t - t.astype(S.dtype)).astype(S.dtype)
@@ -549,7 +566,7 @@ def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
       [jax.ShapeDtypeStruct((gv, n, d), S.dtype),
        jax.ShapeDtypeStruct((gv, n, h), jnp.float32),
        jax.ShapeDtypeStruct((n, h, gv, m), jnp.float32)],
-      S.dtype, n, d, h, gv, MB=int(SOURCES_TUNING["site_block"]))
+      S.dtype, n, d, h, gv, MB=mb, EVEN_M=m % mb == 0)
   c = d // h
   src = S[i0:i0 + gv].astype(jnp.float32).reshape(gv, n, h, c)
   dt = jnp.einsum("nhgm,gnhc->mhc", dlr, src).reshape(m, d)
