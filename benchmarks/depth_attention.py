@@ -41,8 +41,8 @@ def main():
   ap.add_argument("--h", type=int, default=8)
   ap.add_argument("--sites", type=int, default=16)
   ap.add_argument("--configs", default="16x4x3,4x4x3,32x4x3,16x8x3,16x4x2",
-                  help="tokens a program x warps x pipeline stages of "
-                  "triton_stack.sites_kernel")
+                  help="tokens a program x warps x pipeline stages [x "
+                  "sources a block] of triton_stack.sites_kernel")
   ap.add_argument("--json", default="")
   a = ap.parse_args()
   import jax
@@ -54,6 +54,7 @@ def main():
   print(f"{jax.devices()[0].device_kind}: copy {copy_gbs:.0f} GB/s; D={a.d} "
         f"H={a.h} G={a.sites} bf16", flush=True)
   rows = []
+  default_block = triton_stack.SITES_TUNING["source_block"]
   for size in a.sizes.split(","):
     n, s = map(int, size.split("x"))
     ks = jax.random.split(jax.random.key(s), 3)
@@ -78,9 +79,9 @@ def main():
       ms, _, _ = _median_ms(fn, args)
       res[name] = ms
     for cfg_s in a.configs.split(","):
-      bt, w, st = map(int, cfg_s.split("x"))
+      bt, w, st, sb = (list(map(int, cfg_s.split("x"))) + [default_block])[:4]
       triton_stack.SITES_TUNING.update(tokens_per_program=bt, warps=w,
-                                       stages=st)
+                                       stages=st, source_block=sb)
       fn = jax.jit(lambda x, r, t: triton_stack.sites_local(x, r, s, t, a.h))
       try:
         out, lse = fn(x, r, t)
@@ -93,7 +94,7 @@ def main():
         print(f"  {n}x{s} {cfg_s}: ERROR {ex!r}"[:400], flush=True)
         continue
       res[f"depth attention {cfg_s}"] = ms
-      print(f"  {n}x{s} depth attention BTxWxSTAGES {cfg_s}: {ms:.3f} ms, "
+      print(f"  {n}x{s} depth attention BTxWxSTAGES[xSB] {cfg_s}: {ms:.3f} ms, "
             f"{100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs:.1f}% of copy "
             f"(S + G arrays), out rel err {err:.1e}, lse abs err {lerr:.1e}",
             flush=True)

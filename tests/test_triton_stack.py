@@ -182,13 +182,14 @@ def test_routed_stack_end_to_end(kernel_module, monkeypatch, blocks, given_r,
     assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * max(scale, 1e-6), scale
 
 
-@pytest.mark.parametrize("n,d,h,rows,s,g,bt", [
-    (5, 320, 2, 22, 19, 16, 2),   # C = 160 = 128 + 32; two source blocks
-    (3, 64, 4, 7, 7, 5, 4),       # C = 16: one part; 5 of 16 site rows
-    (4, 128, 1, 3, 1, 9, 8),      # one source; AttnRes (H = 1); BT > N
+@pytest.mark.parametrize("n,d,h,rows,s,g,bt,sb", [
+    (5, 320, 2, 22, 19, 16, 2, 16),   # C = 160 = 128 + 32; two source blocks
+    (3, 64, 4, 7, 7, 5, 4, 16),       # C = 16: one part; 5 of 16 site rows
+    (4, 128, 1, 3, 1, 9, 8, 16),      # one source; AttnRes (H = 1); BT > N
+    (3, 320, 2, 40, 37, 16, 2, 32),   # blocks of 32 sources, the last ragged
 ])
 def test_sites_kernel_matches_jnp_sites(kernel_module, n, d, h, rows, s, g,
-                                        bt):
+                                        bt, sb):
   """``sites_kernel`` (G sites over the first S rows of a source buffer, on
   tensor cores) against ``stack._sites``; fp32 operands (the interpreter's
   bf16 products are wrong: the GPU tests check those)."""
@@ -203,6 +204,7 @@ def test_sites_kernel_matches_jnp_sites(kernel_module, n, d, h, rows, s, g,
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(ts.tr, "_launch", interpreted_launch)
     mp.setitem(ts.SITES_TUNING, "tokens_per_program", bt)
+    mp.setitem(ts.SITES_TUNING, "source_block", sb)
     out, lse = ts.sites_local(x, r, s, t, h)
   assert out.shape == (g, n, d) and lse.shape == (g, n, h)
   np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
