@@ -472,6 +472,7 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
     cb = tl.arange(0, CB)
     cbm = cb < C - CA
   kb = tl.arange(0, MB)
+  FULL_B: tl.constexpr = EVEN_M and CB == C - CA   # part B's loads unmasked
   n64 = N + tl.zeros((), tl.int64)          # N may be specialised to 1
   nd = n64 * D
   nh = n64 * H
@@ -510,9 +511,8 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
         if CB > 0:
           kbm = km[:, None] & cbm[None, :]
           tb_hi, tb_lo = _load2(t_ptr, tlo_ptr, toff + CA + cb[None, :], kbm,
-                                LOWP, EVEN_M and CB == C - CA)
-          dxb = _load_tile(dx_ptr + xoff + CA + cb[None, :], kbm,
-                      EVEN_M and CB == C - CA)
+                                LOWP, FULL_B)
+          dxb = _load_tile(dx_ptr + xoff + CA + cb[None, :], kbm, FULL_B)
           if not LOWP:
             dxb = dxb.to(tl.float32)
           u += _dot_lo(sb, tl.trans(tb_hi), tl.trans(tb_lo), LOWP)
