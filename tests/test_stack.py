@@ -125,7 +125,9 @@ def test_blocks_match_the_block_loop(num_heads, blocks, buffers, site_group):
 def test_site_groups():
   from mhar_jax.kernels import stack
   full = stack._Plan(2, 1e-6, "reference", site_group=3)
-  assert full.site_groups(6) == [(0, 3), (3, 6), (6, 7)]
+  # 2 sites, then 3 from site 2 (sites 2 and 5 read 3 and 6 sources)
+  assert full.site_groups(6) == [(0, 2), (2, 5), (5, 7)]
+  assert full.site_groups(1) == [(0, 2)]
   assert stack._Plan(2, 1e-6, "reference").site_groups(2) == [
       (0, 1), (1, 2), (2, 3)]
   blocked = stack._Plan(2, 1e-6, "reference", blocks=(0, 0, 1, 1, 1),

@@ -114,8 +114,8 @@ def test_triton_stack_kernel_inverse_rms(monkeypatch, dtype, lead, d, heads,
 @pytest.mark.parametrize("num_blocks,num_layers", [(0, 3), (2, 3), (0, 13)])
 def test_decoder_source_backward_on_gpu(num_blocks, num_layers):
   """The decoder's default source-major stack (Triton; 13 layers: 27 sites,
-  so the default groups of 16 route on tensor cores forward, sites 0-15 and
-  16-26, and backward, sources 0-10) against the jnp site-by-site one."""
+  so the default groups of 16 route on tensor cores forward, sites 0-14 and
+  15-26, and backward, sources 0-10) against the jnp site-by-site one."""
   from flax import nnx
 
   from mhar_jax import training

@@ -187,6 +187,8 @@ def test_routed_stack_end_to_end(kernel_module, monkeypatch, blocks, given_r,
     (3, 64, 4, 7, 7, 5, 4, 16),       # C = 16: one part; 5 of 16 site rows
     (4, 128, 1, 3, 1, 9, 8, 16),      # one source; AttnRes (H = 1); BT > N
     (3, 320, 2, 40, 37, 16, 2, 32),   # blocks of 32 sources, the last ragged
+    (3, 320, 2, 20, 16, 16, 2, 16),   # whole blocks: the unmasked loop
+    (2, 64, 4, 40, 32, 9, 4, 16),     # ... two of them, C = 16
 ])
 def test_sites_kernel_matches_jnp_sites(kernel_module, n, d, h, rows, s, g,
                                         bt, sb):
@@ -264,7 +266,7 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch):
 
   got = run(stack._Plan(h, 1e-6, "triton", site_group=4, mesh=mesh,
                         batch_axes=("data",)))
-  # forward groups (0, 4), (4, 8), (8, 10); backward groups [2, 6), [0, 2)
+  # forward groups (0, 3), (3, 7), (7, 10); backward groups [2, 6), [0, 2)
   assert calls == ["sites"] * 3 + ["sources"] * 2, calls
   want = run(stack._Plan(h, 1e-6, "reference"))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

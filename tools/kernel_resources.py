@@ -153,8 +153,9 @@ def main(argv=None):
                   "Triton specialises to a constexpr (code that calls "
                   "methods on such an argument fails only then)")
   ap.add_argument("--even_sites", type=int, default=1,
-                  help="sources kernel: 1 compiles the variant for a site"
-                  " count that is a multiple of the site block (unmasked)")
+                  help="sites / sources kernels: 1 compiles the variant for a"
+                  " source / site count that is a multiple of the block"
+                  " (unmasked loop)")
   ap.add_argument("--opcodes", type=int, default=0,
                   help="also list this many of the largest loop body's most"
                   " frequent opcodes")
@@ -190,7 +191,8 @@ def main(argv=None):
   tu = ts.SITES_TUNING
   runs["sites"] = (ts.sites_kernel, {"x_ptr", "out_ptr"}, dict(
       tr.tile_meta(a.d, a.h), G=16, SB=tu["source_block"],
-      BT=tu["tokens_per_program"], STAGES=tu["stages"], LOWP=True))
+      BT=tu["tokens_per_program"], STAGES=tu["stages"], LOWP=True,
+      EVEN_S=a.even_sites))
   tu = ts.SOURCES_TUNING
   runs["sources"] = (ts.sources_kernel, {"s_ptr", "dx_ptr", "acc_ptr", "t_ptr",
                                             "tlo_ptr"}, dict(

@@ -89,8 +89,9 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
       reached serves every site of the group, and each later site of the
       group then routes only the sources produced since, continuing that
       result. ``0`` or ``1``: every site on its own. ``G >= 2``: the full
-      method in groups of G sites; blocked routing in groups of one block's
-      sites (they share the finished block sums). The same function as site
+      method in groups of G sites (the first of G - 1, so that every later
+      group's first site reads a multiple of G sources); blocked routing in
+      groups of one block's sites (they share the finished block sums). The same function as site
       by site, up to rounding: the first phase's output is stored in the
       sources' dtype. With Triton, a group of at least
       ``triton_stack.SITES_TUNING["min_sites"]`` sites does its first phase
@@ -163,9 +164,10 @@ class _Plan:
     ends = self.block_ends(n)
     if self.site_group < 2:
       return [(j, j + 1) for j in range(n + 1)]
-    if all(ends):                           # full method: runs of G sites
-      g = self.site_group
-      return [(a, min(a + g, n + 1)) for a in range(0, n + 1, g)]
+    if all(ends):   # full method: G - 1 sites, then runs of G from site G - 1
+      g = self.site_group     # (site a reads a + 1 sources: a multiple of G)
+      starts = [0, *range(g - 1, n + 1, g)]
+      return list(zip(starts, [*starts[1:], n + 1]))
     starts = [0] + [j + 1 for j in range(n) if ends[j]]   # block starts
     return list(zip(starts, starts[1:] + [n + 1]))
 

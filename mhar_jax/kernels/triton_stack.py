@@ -209,6 +209,16 @@ SITES_TUNING: dict = {"tokens_per_program": 16, "warps": 4, "stages": 3,
 
 
 @triton.jit
+def _load_tile(ptr, mask, FULL: tl.constexpr):
+  """``tl.load(ptr)`` where ``mask`` is known to be all true (FULL), else
+  masked with zeros."""
+  if FULL:
+    return tl.load(ptr)
+  else:
+    return tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
 def _split(t, dt: tl.constexpr, LOWP: tl.constexpr):
   """fp32 ``t`` as two terms ``(hi, lo)`` in ``dt`` (LOWP: ~16 mantissa bits
   together for bf16) or ``(t, t)`` (the second unused)."""
@@ -244,7 +254,7 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
                  D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                  CA: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
                  SB: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
-                 LOWP: tl.constexpr):
+                 LOWP: tl.constexpr, EVEN_S: tl.constexpr):
   """BT tokens of head ``program_id(1)``: GV sites over the first S sources.
 
   ``x_ptr [R, N, D]`` (R >= S rows of sources), ``r_ptr [S, N]`` fp32 inverse
@@ -261,7 +271,8 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
   ``[0, CA)`` and ``[CA, C)`` (CB lanes, masked; CB = 0: none) of
   ``triton_route.head_parts``. LOWP (16-bit sources): products in the
   sources' dtype, the queries as two terms (hi + lo), the softmax weights
-  rounded once, as FlashAttention's; otherwise exact fp32 products.
+  rounded once, as FlashAttention's; otherwise exact fp32 products. EVEN_S:
+  S is a multiple of SB (the source loop unmasked).
   """
   tile = tl.program_id(0)
   h = tl.program_id(1)
@@ -278,6 +289,7 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
         tl.load(t_ptr + g[:, None] * D + h * C + CA + cb[None, :],
                 mask=gm[:, None] & cbm[None, :], other=0.0), dt, LOWP)
   sb = tl.arange(0, SB)
+  FULL_B: tl.constexpr = EVEN_S and CB == C - CA   # part B's loads unmasked
   n64 = N + tl.zeros((), tl.int64)          # N may be specialised to 1
   nd = n64 * D
   for i in range(BT):
@@ -293,18 +305,21 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
         s = s0 + sb
         sm = s < S
         xoff = s.to(tl.int64)[:, None] * nd + row
-        xa = tl.load(x_ptr + xoff + ca[None, :], mask=sm[:, None], other=0.0)
+        xa = _load_tile(x_ptr + xoff + ca[None, :], sm[:, None], EVEN_S)
         if not LOWP:
           xa = xa.to(tl.float32)
         u = _dot2(ta_hi, ta_lo, tl.trans(xa), LOWP)
         if CB > 0:
-          xb = tl.load(x_ptr + xoff + CA + cb[None, :],
-                       mask=sm[:, None] & cbm[None, :], other=0.0)
+          xb = _load_tile(x_ptr + xoff + CA + cb[None, :],
+                          sm[:, None] & cbm[None, :], FULL_B)
           if not LOWP:
             xb = xb.to(tl.float32)
           u += _dot2(tb_hi, tb_lo, tl.trans(xb), LOWP)
-        rs = tl.load(r_ptr + s.to(tl.int64) * n64 + n, mask=sm, other=0.0)
-        logit = tl.where(sm[None, :], u * rs[None, :], float("-inf"))
+        rs = _load_tile(r_ptr + s.to(tl.int64) * n64 + n, sm, EVEN_S)
+        if EVEN_S:
+          logit = u * rs[None, :]
+        else:
+          logit = tl.where(sm[None, :], u * rs[None, :], float("-inf"))
         m_new = tl.maximum(m, tl.max(logit, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(logit - m_new[:, None])
@@ -343,12 +358,13 @@ def sites_local(x, r, s: int, t, h: int):
   """
   _, n, d = x.shape
   g = t.shape[0]
+  sb = int(SITES_TUNING["source_block"])
   t = t.astype(jnp.float32)
   return _group_launch(
       "sites_local", sites_kernel, SITES_TUNING, [x, r.astype(jnp.float32), t],
       [int(s), g, n], [jax.ShapeDtypeStruct((g, n, d), x.dtype),
                        jax.ShapeDtypeStruct((g, n, h), jnp.float32)],
-      x.dtype, n, d, h, g, SB=int(SITES_TUNING["source_block"]))
+      x.dtype, n, d, h, g, SB=sb, EVEN_S=s % sb == 0)
 
 
 def _group_launch(name, kernel, tu, inputs, scalars, out_shapes, dtype, n, d,
@@ -400,16 +416,6 @@ def sites(x, r, s: int, t, h: int, mesh=None, batch_axes=()):
 # compiles without the loop's masks (every group at 1b and 350m).
 SOURCES_TUNING: dict = {"tokens_per_program": 16, "warps": 4, "stages": 3,
                         "site_block": 16}
-
-
-@triton.jit
-def _load_tile(ptr, mask, FULL: tl.constexpr):
-  """``tl.load(ptr)`` where ``mask`` is known to be all true (FULL), else
-  masked with zeros."""
-  if FULL:
-    return tl.load(ptr)
-  else:
-    return tl.load(ptr, mask=mask, other=0.0)
 
 
 @triton.jit
