@@ -1,8 +1,10 @@
 """Compiles the routing kernels for an H100/H200 (sm_90) without a GPU and
 reports what each costs the hardware: registers a thread, shared memory,
 barriers and layout conversions (per kernel, all sources unrolled), vector
-global loads, SASS instructions (all, and those of the largest loop body: the
-source-major backward's loop over sites).
+global loads, SASS instructions (all, those of the largest loop body: the
+source-major backward's loop over sites, and every loop body's size: the
+tensor-core kernels' inner loop over a block of sites or sources is the
+smaller of two).
 
 Registers bound occupancy (65,536 a multiprocessor: 128 threads at 103
 registers leave room for 4 programs, 16 warps); barriers and layout
@@ -85,9 +87,9 @@ def compile_kernel(fn, bf16, constexprs, warps):
 
 
 def sass_loops(sass):
-  """``(instructions, the largest loop body's instructions)`` of a kernel's
-  SASS (each an opcode with operands); a loop is a branch back to an earlier
-  label (an empty body when none)."""
+  """``(instructions, loop bodies)`` of a kernel's SASS: each instruction an
+  opcode with operands, each loop body the instructions from a label to a
+  branch back to it (nested loops appear inside their outer loop's body)."""
   label_at, pending, insts = {}, [], []
   for line in sass.splitlines():
     m = re.match(r"\s*\.(L_x_\d+):", line)
@@ -100,14 +102,13 @@ def sass_loops(sass):
       label_at.update((p, addr) for p in pending)
       pending = []
       insts.append((addr, m.group(2)))
-  loop = []
+  loops = []
   for addr, ins in insts:
     m = re.search(r"BRA.*`\(\.(L_x_\d+)\)", ins)
     if m and label_at.get(m.group(1), addr) < addr:
       start = label_at[m.group(1)]
-      body = [i for a, i in insts if start <= a <= addr]
-      loop = max(loop, body, key=len)
-  return [i for _, i in insts], loop
+      loops.append([i for a, i in insts if start <= a <= addr])
+  return [i for _, i in insts], loops
 
 
 def opcodes(insts, top=12):
@@ -120,7 +121,8 @@ def opcodes(insts, top=12):
 
 def report(name, cc, usage, sass, warps, top=0):
   ptx, ttgir = cc.asm["ptx"], cc.asm["ttgir"]
-  insts, loop = sass_loops(sass)
+  insts, loops = sass_loops(sass)
+  loop = max(loops, key=len, default=[])
   regs = int(re.search(r"REG:(\d+)", usage).group(1))
   stack = int(re.search(r"STACK:(\d+)", usage).group(1))
   programs = min(32, 65536 // (regs * 32 * warps), 64 // warps)
@@ -131,7 +133,7 @@ def report(name, cc, usage, sass, warps, top=0):
               layout_conversions=ttgir.count("ttg.convert_layout"),
               vector_loads=len(re.findall(r"ld\.global[.a-z0-9]*\.v\d", ptx)),
               loads=ptx.count("ld.global"), sass=len(insts),
-              loop_sass=len(loop),
+              loop_sass=len(loop), loops=sorted(map(len, loops)),
               **({"loop_opcodes": opcodes(loop, top)} if top else {}))
 
 
