@@ -150,6 +150,8 @@ def main(argv=None):
                   help="JSON dict merged into triton_stack.TUNING")
   ap.add_argument("--sources_tuning", default="",
                   help="JSON dict merged into triton_stack.SOURCES_TUNING")
+  ap.add_argument("--sites_tuning", default="",
+                  help="JSON dict merged into triton_stack.SITES_TUNING")
   ap.add_argument("--ones", action="store_true",
                   help="compile with every runtime int equal to 1, which "
                   "Triton specialises to a constexpr (code that calls "
@@ -164,6 +166,7 @@ def main(argv=None):
   a = ap.parse_args(argv)
   ts.TUNING.update(json.loads(a.source_grad_tuning or "{}"))
   ts.SOURCES_TUNING.update(json.loads(a.sources_tuning or "{}"))
+  ts.SITES_TUNING.update(json.loads(a.sites_tuning or "{}"))
   meta = dict(tr.tile_meta(a.d, a.h), EPS=1e-6)
   bn = tr._tokens_per_program(tr.tile_width(a.d, a.h), 16, a.warps)
   common = dict(meta, NSRC=a.nsrc, PF=a.pf, BN=bn)
