@@ -402,13 +402,12 @@ def test_sharded_route_backward_plumbing(tr, monkeypatch):
     _close(np.asarray(x[..., 0]), reference.inv_rms(src, EPS))
 
 
-@pytest.mark.parametrize("given_r", [False, True, "cpass"])
+@pytest.mark.parametrize("given_r", [False, True])
 def test_route_custom_vjp_end_to_end(tr, monkeypatch, given_r):
   """``route()``'s custom VJP (forward residuals, the inverse RMS passed to
-  the backward's kernels when ``bwd_given_r``, to the c-pass alone when
-  "cpass") on 18 sources, every launch run by the interpreter (eagerly: the
-  launches need concrete arrays), against the reference's values and
-  gradients."""
+  the backward's kernels when ``bwd_given_r``) on 18 sources, every launch
+  run by the interpreter (eagerly: the launches need concrete arrays),
+  against the reference's values and gradients."""
   seen = []
 
   def launch(kernel, *a, **k):
@@ -436,5 +435,5 @@ def test_route_custom_vjp_end_to_end(tr, monkeypatch, given_r):
     _close(np.asarray(got), ref)
   has_r = {k: {r for name, r in seen if name == k}
            for k in ("_cpass_kernel", "_bwd_kernel")}
-  assert has_r == {"_cpass_kernel": {bool(given_r)},
-                   "_bwd_kernel": {given_r is True}}, has_r
+  assert has_r == {"_cpass_kernel": {given_r},
+                   "_bwd_kernel": {given_r}}, has_r

@@ -131,9 +131,10 @@ CHUNK = 16
 # token a source, saved for the backward) so the c-pass and backward kernels
 # read them instead of summing squares across warps again; off, they do.
 # Costs 4 bytes a token for every (site, source) pair of residual memory.
-# "cpass": only the c-pass reads them (the backward kernel given r holds 138
-# registers against 128 at D = 1280). On the H200 (RESULTS.md session 12)
-# True took 0.874x the fwd+bwd time of False at 8 sources, 1.022x at 37.
+# On the H200 (RESULTS.md session 12) True took 0.874x the fwd+bwd time of
+# False at 8 sources, 1.022x at 37 (the backward kernel given r holds 138
+# registers against 128 at D = 1280); giving r to the c-pass only was no
+# better (session 13) and was removed.
 # Defaults: best of the sweep on an H200 (benchmarks/ROUTING_NOTES.md; the
 # forward re-checked at D = 1280, benchmarks/RESULTS.md session 9).
 TUNING: dict = {
@@ -1472,7 +1473,7 @@ class _Cfg:
   fwd_warps: int
   fwd_pf: int
   fwd_given_r: bool                # see TUNING
-  bwd_given_r: bool | str          # see TUNING: False, True or "cpass"
+  bwd_given_r: bool                # see TUNING
   cpass_bn: int
   cpass_warps: int
   cpass_pf: int
@@ -1528,8 +1529,7 @@ def _make_cfg(d, h, eps, exact_bwd, mesh, batch_axes) -> _Cfg:
                                  tu["fwd_warps"]),
       fwd_warps=tu["fwd_warps"], fwd_pf=_pf(tu["fwd_prefetch"]),
       fwd_given_r=bool(tu["fwd_given_r"]),
-      bwd_given_r=(tu["bwd_given_r"] if tu["bwd_given_r"] == "cpass"
-                   else bool(tu["bwd_given_r"])),
+      bwd_given_r=bool(tu["bwd_given_r"]),
       cpass_bn=_tokens_per_program(width, tu["cpass_elems_per_thread"],
                                    tu["cpass_warps"]),
       cpass_warps=tu["cpass_warps"], cpass_pf=_pf(tu["cpass_prefetch"]),
@@ -1768,8 +1768,7 @@ def _bwd_impl(srcs, g, t, lse, out, cfg, rs=None):
       c = jnp.einsum("nhc,nhc->nh",
                      g2.astype(jnp.float32).reshape(-1, cfg.h, cfg.c),
                      _flat(out).astype(jnp.float32).reshape(-1, cfg.h, cfg.c))
-    ds, dt = _bwd_local(fs, g2, t, lse2, c, cfg,
-                        None if cfg.bwd_given_r == "cpass" else rs)
+    ds, dt = _bwd_local(fs, g2, t, lse2, c, cfg, rs)
     if cfg.mesh is not None and cfg.batch_axes:
       dt = jax.lax.psum(dt, cfg.batch_axes)
     return tuple(x.reshape(*loc_lead, cfg.d) for x in ds), dt
@@ -1799,7 +1798,7 @@ def _route(srcs, query, norm_scale, cfg):
 
 def _route_fwd(srcs, query, norm_scale, cfg):
   out, lse, *rs = _fwd_impl(srcs, _t(query, norm_scale)[None], cfg,
-                            write_r=bool(cfg.bwd_given_r))
+                            write_r=cfg.bwd_given_r)
   return out[0], (srcs, query, norm_scale, lse[0],
                   None if cfg.exact_bwd else out[0], rs[0] if rs else None)
 
