@@ -301,21 +301,23 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
       acca = tl.zeros((G, CA), tl.float32)
       if CB > 0:
         accb = tl.zeros((G, CB), tl.float32)
+      xrow = x_ptr + sb.to(tl.int64)[:, None] * nd + row
+      rrow = r_ptr + sb.to(tl.int64) * n64 + n
       for s0 in tl.range(0, S, SB, num_stages=STAGES):
         s = s0 + sb
         sm = s < S
-        xoff = s.to(tl.int64)[:, None] * nd + row
-        xa = _load_tile(x_ptr + xoff + ca[None, :], sm[:, None], EVEN_S)
+        xp = xrow + s0 * nd
+        xa = _load_tile(xp + ca[None, :], sm[:, None], EVEN_S)
         if not LOWP:
           xa = xa.to(tl.float32)
         u = _dot2(ta_hi, ta_lo, tl.trans(xa), LOWP)
         if CB > 0:
-          xb = _load_tile(x_ptr + xoff + CA + cb[None, :],
-                          sm[:, None] & cbm[None, :], FULL_B)
+          xb = _load_tile(xp + CA + cb[None, :], sm[:, None] & cbm[None, :],
+                          FULL_B)
           if not LOWP:
             xb = xb.to(tl.float32)
           u += _dot2(tb_hi, tb_lo, tl.trans(xb), LOWP)
-        rs = _load_tile(r_ptr + s.to(tl.int64) * n64 + n, sm, EVEN_S)
+        rs = _load_tile(rrow + s0 * n64, sm, EVEN_S)
         if EVEN_S:
           logit = u * rs[None, :]
         else:
@@ -482,6 +484,8 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
   n64 = N + tl.zeros((), tl.int64)          # N may be specialised to 1
   nd = n64 * D
   nh = n64 * H
+  jb = (J0 + kb).to(tl.int64)               # the first block's sites
+  toff0 = jb[:, None] * D + h * C
   for i in range(BT):
     n = tile * BT + i
     if n < N:
@@ -501,12 +505,13 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
         accb = tl.zeros((G, CB), tl.float32)
       coef = tl.zeros((G,), tl.float32)
       dlr_row = dlr_ptr + (n.to(tl.int64) * H + h) * GV * M
+      xoff0 = jb[:, None] * nd + row          # the first block's rows
+      loff0 = jb * nh + n * H + h
       for k0 in tl.range(0, M, MB, num_stages=STAGES):
         k = k0 + kb
         km = k < M
-        kk = (J0 + k).to(tl.int64)
-        toff = kk[:, None] * D + h * C
-        xoff = kk[:, None] * nd + row
+        toff = toff0 + k0 * D
+        xoff = xoff0 + k0 * nd
         ta_hi, ta_lo = _load2(t_ptr, tlo_ptr, toff + ca[None, :],
                               km[:, None], LOWP, EVEN_M)
         dxa = _load_tile(dx_ptr + xoff + ca[None, :], km[:, None], EVEN_M)
@@ -523,8 +528,9 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
             dxb = dxb.to(tl.float32)
           u += _dot_lo(sb, tl.trans(tb_hi), tl.trans(tb_lo), LOWP)
           dp += _dot(sb, tl.trans(dxb), LOWP)
-        lse = _load_tile(lse_ptr + kk * nh + n * H + h, km, EVEN_M)
-        xd = _load_tile(xd_ptr + kk * nh + n * H + h, km, EVEN_M)
+        loff = loff0 + k0 * nh
+        lse = _load_tile(lse_ptr + loff, km, EVEN_M)
+        xd = _load_tile(xd_ptr + loff, km, EVEN_M)
         logit = rg[:, None] * u
         if EVEN_M:
           w = tl.exp(logit - lse[None, :])
