@@ -16,8 +16,9 @@ where each run's GPU time goes (kernel time by category and the largest
 kernels, per step; :mod:`kernel_time`).
 
 Schemes: ``prenorm``, ``hyper``, ``attnres``, ``mhar`` (H=8, the default
-source-major backward), ``mhar_b8`` (H=8, 8 blocks), ``mhar_site`` (H=8 with
-``routing_backward="site"``); append ``:reference`` or ``:triton`` to force
+source-major backward; with Triton its sites in groups of 16 on tensor cores,
+``mhar+routing_site_group=0`` each alone), ``mhar_b8`` (H=8, 8 blocks),
+``mhar_site`` (H=8 with ``routing_backward="site"``); append ``:reference`` or ``:triton`` to force
 the routing implementation (e.g. ``mhar:reference``) and ``+KEY=VALUE`` to
 override a model config key (e.g. ``prenorm+remat=True``). Presets are config files in
 ``configs/`` (``100m``, ``350m``, ``1b``, ``bench100m``, ...).
