@@ -91,9 +91,9 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
       result. ``0`` or ``1``: every site on its own. ``G >= 2``: the full
       method in groups of G sites (the first of G - 1, so that every later
       group's first site reads a multiple of G sources); blocked routing in
-      groups of one block's sites (they share the finished block sums). The same function as site
-      by site, up to rounding: the first phase's output is stored in the
-      sources' dtype. With Triton, a group of at least
+      groups of one block's sites (they share the finished block sums). The
+      same function as site by site, up to rounding: the first phase's
+      output is stored in the sources' dtype. With Triton, a group of at least
       ``triton_stack.SITES_TUNING["min_sites"]`` sites does its first phase
       on tensor cores (``triton_stack.sites``) over a buffer of the finished
       sources, which the backward then reads instead of the list, taking
