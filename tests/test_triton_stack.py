@@ -120,11 +120,16 @@ def _sublayer(j, p, x, consts):
   return jnp.tanh(x @ p["w"] + p["b"]) * (1.0 + 0.1 * j)
 
 
-@pytest.mark.parametrize("blocks,given_r,site_group", [
-    (None, True, 0), (None, False, 0), ((0, 0, 1, 1, 1), True, 0),
-    (None, True, 3), ((0, 0, 1, 1, 1), True, 2)])
-def test_routed_stack_end_to_end(kernel_module, monkeypatch, blocks, given_r,
-                                 site_group):
+@pytest.mark.parametrize("n,blocks,given_r,site_group,src_groups", [
+    (5, None, True, 0, 0), (5, None, False, 0, 0),
+    (5, (0, 0, 1, 1, 1), True, 0, 0),
+    (5, None, True, 3, 1),              # backward: [3, 6) has no site above
+    (5, (0, 0, 1, 1, 1), True, 2, 0),
+    # sites 0-14, 15-30 (16 sources), 31-33 (32): whole source blocks;
+    # backward [2, 18) and [0, 2) under 16 and 32 sites: whole site blocks
+    (33, None, True, 16, 2)])
+def test_routed_stack_end_to_end(kernel_module, monkeypatch, n, blocks,
+                                 given_r, site_group, src_groups):
   """``routed_stack``'s Triton path as the decoder runs it (forward kernels
   given each source's inverse RMS or not, groups of sites on tensor cores
   reading the in-place source buffer, the whole-stack buffers, the
@@ -142,7 +147,7 @@ def test_routed_stack_end_to_end(kernel_module, monkeypatch, blocks, given_r,
   monkeypatch.setitem(tr.TUNING, "fwd_given_r", given_r)
   monkeypatch.setitem(ts.SITES_TUNING, "min_sites", 2)
   monkeypatch.setitem(ts.SITES_TUNING, "tokens_per_program", 4)
-  n, d, h, tok = 5, 320, 2, (2, 3)
+  d, h, tok = 320, 2, (2, 3)
   rng = np.random.default_rng(3)
   x0 = jnp.asarray(rng.normal(size=(*tok, d)), jnp.float32)
   params = tuple({"w": jnp.asarray(rng.normal(size=(d, d)) / np.sqrt(d),
@@ -169,8 +174,6 @@ def test_routed_stack_end_to_end(kernel_module, monkeypatch, blocks, given_r,
                        site_group=site_group).site_groups(n)
   on_tc = sum(b - a >= 2 for a, b in groups) if blocks is None else 0
   assert calls.count("sites_kernel") == on_tc, calls
-  # the backward's source groups: [3, 6) has no site above it, [0, 3) does
-  src_groups = 1 if blocks is None and site_group == 3 else 0
   assert calls.count("sources_kernel") == src_groups, calls
   # one a site, but the first of a group on tensor cores
   assert calls.count("_fwd_kernel") == n + 1 - on_tc, calls
