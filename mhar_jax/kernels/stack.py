@@ -126,8 +126,8 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
                      " (or None: automatic).")
   plan = _Plan(num_heads, float(eps), resolve_impl(impl), blocks=blocks)
   if site_group is None:
-    site_group = (AUTO_SITE_GROUP if all(plan.block_ends(n))
-                  and _tensor_core_group(plan, AUTO_SITE_GROUP, d) else 0)
+    site_group = (AUTO_SITE_GROUP
+                  if _tensor_core_group(plan, AUTO_SITE_GROUP, d) else 0)
   plan = dataclasses.replace(plan, site_group=int(site_group))
   if plan.impl == "triton":
     from mhar_jax.kernels import triton_route
@@ -158,6 +158,11 @@ class _Plan:
   def block_ends(self, n: int) -> list[bool]:
     """:func:`block_ends` of ``blocks`` (one block per sublayer if empty)."""
     return block_ends(self.blocks or range(n))
+
+  @property
+  def full(self) -> bool:
+    """Whether this is the full method (one block per sublayer)."""
+    return all(block_ends(self.blocks))
 
   def site_groups(self, n: int) -> list[tuple[int, int]]:
     """The sites ``0 .. n`` as ``[start, stop)`` runs routed together."""
@@ -203,9 +208,12 @@ def _sites(sources, t, r, plan):
 
 def _tensor_core_group(plan, g: int, d: int) -> bool:
   """Whether a group of ``g`` sites routes its first phase on tensor cores
-  (``triton_stack.sites``): Triton, at least ``SITES_TUNING["min_sites"]``
-  sites, and a width the kernel takes."""
-  if plan.impl != "triton" or g < 2:
+  (``triton_stack.sites``), and a group of ``g`` sources its backward share
+  (``triton_stack.sources_partial``): Triton, the full method (a block's
+  group on tensor cores was slower, RESULTS.md session 12: a block's 9 sites
+  over at most 9 sources, padded to 16), at least
+  ``SITES_TUNING["min_sites"]`` rows, and a width the kernels take."""
+  if plan.impl != "triton" or not plan.full or g < 2:
     return False
   from mhar_jax.kernels import triton_stack
   return (g >= triton_stack.SITES_TUNING["min_sites"]
@@ -250,10 +258,8 @@ def _forward(h, params, queries, gains, consts, apply, plan, save):
   # Groups routed on tensor cores read the finished sources from one buffer
   # (rows in ``done``'s order), filled in place as they appear; it is what
   # the backward gets (the list's arrays then die as the forward moves on).
-  # Full method only: a block's group on tensor cores was slower (RESULTS.md
-  # session 12: a block's 9 sites over at most 9 sources, padded to 16).
   on_tc = {a for a, b in group_end.items()
-           if all(ends) and _tensor_core_group(plan, b - a, h.shape[-1])}
+           if _tensor_core_group(plan, b - a, h.shape[-1])}
   buf = None
   if on_tc:
     buf = jnp.zeros((sum(ends) + 1, *h.shape), h.dtype).at[0].set(h)
@@ -453,7 +459,7 @@ def _stack_bwd(apply, plan, res, g):
   # whole group at once on tensor cores, and each source then adds its sites
   # i .. b-1 on its own.
   group_of, share = {}, None     # share: (a, acc, coef) of the last group
-  if not isinstance(done, list) and all(ends) and plan.site_group >= 2:
+  if not isinstance(done, list) and plan.site_group >= 2:
     for b in range(n + 1, 0, -plan.site_group):
       a = max(0, b - plan.site_group)
       if b <= n and _tensor_core_group(plan, b - a, g.shape[-1]):
