@@ -1,6 +1,7 @@
 """What is live at a training step's peak of device memory (XLA's own report).
 
     python3 benchmarks/peak_buffers.py --runs 1b/prenorm,1b/mhar [--top 12]
+        [--deviceless] [--xla_remat]
 
 For each ``preset/scheme`` (as in benchmarks/throughput.py) a fresh process
 compiles the trainer's step (no run) with XLA dumping its buffer assignment,
@@ -9,7 +10,11 @@ bytes live at the step's peak by the JAX operation that made them and the
 largest buffers live there. Comparing a
 scheme with the baseline shows what the scheme's extra memory is (e.g. the
 routed sources saved for the backward, or its whole-stack cotangent buffer).
-Runs on the CPU too (``tiny``), for a check of the plumbing.
+Runs on the CPU too (``tiny``), for a check of the plumbing; with
+``--deviceless``, compiles for an H200 on a machine without one (same
+program as on the device but for autotuning's choices; ``h200_aot``).
+XLA's rematerialization is off as in the throughput benchmark unless
+``--xla_remat``.
 """
 
 from __future__ import annotations
@@ -67,15 +72,22 @@ def op_key(op: str) -> str:
   return ("bwd " if bwd else "") + "/".join(x for x in kept if x)
 
 
-def compile_with_dump(run: str, dump: str, micro_tokens: int) -> int:
-  """Compiles ``run``'s train step in a child process dumping to ``dump``."""
+def compile_with_dump(run: str, dump: str, micro_tokens: int,
+                      xla_remat: bool, deviceless: bool) -> int:
+  """Compiles ``run``'s train step in a child process dumping to ``dump``
+  (for an H200 without one if ``deviceless``: :mod:`h200_aot`)."""
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import throughput
   preset, _, scheme = run.partition("/")
-  env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
-                                    f" --xla_dump_to={dump}"
-                                    " --xla_dump_hlo_module_re=jit_step"))
-  code = ("import sys; sys.path.insert(0, %r); import throughput; "
-          "throughput.child(%r, %r, 0, 0, %d, 'auto', '', True)"
-          % (os.path.join(ROOT, "benchmarks"), preset, scheme, micro_tokens))
+  env = throughput.child_env(xla_remat)
+  env["XLA_FLAGS"] += (f" --xla_dump_to={dump}"
+                       " --xla_dump_hlo_module_re=jit_step")
+  code = ("import sys; sys.path.insert(0, %r); devices = None\n"
+          % os.path.join(ROOT, "benchmarks"))
+  if deviceless:
+    code += "import h200_aot; devices = h200_aot.setup()\n"
+  code += ("import throughput; throughput.child(%r, %r, 0, 0, %d, 'auto', '',"
+           " True, devices=devices)" % (preset, scheme, micro_tokens))
   return subprocess.run([sys.executable, "-c", code], env=env).returncode
 
 
@@ -91,11 +103,17 @@ def main():
   ap.add_argument("--runs", default="tiny/prenorm,tiny/mhar")
   ap.add_argument("--top", type=int, default=12)
   ap.add_argument("--micro_tokens", type=int, default=32768)
+  ap.add_argument("--xla_remat", action="store_true",
+                  help="let XLA rematerialize (as benchmarks/throughput.py)")
+  ap.add_argument("--deviceless", action="store_true",
+                  help="compile for an H200 on this machine, without a GPU"
+                  " (benchmarks/h200_aot.py says what that needs)")
   a = ap.parse_args()
   first = None
   for run in a.runs.split(","):
     with tempfile.TemporaryDirectory(prefix="mhar_dump_") as dump:
-      rc = compile_with_dump(run, dump, a.micro_tokens)
+      rc = compile_with_dump(run, dump, a.micro_tokens, a.xla_remat,
+                             a.deviceless)
       files = sorted(glob.glob(os.path.join(dump, "*jit_step*live-range.txt")),
                      key=os.path.getsize)
       if rc or not files:

@@ -9,8 +9,12 @@ the preset's model in bf16 with fp32 parameters, jits the full train step
 tokens of the preset's sequence length and global batch, runs ``--warmup``
 steps, then times ``--steps`` steps one by one and reports the median.
 Printed: tokens/s, MFU (FLOPs per token ``6N + 6 L H_q d_h T``, dense bf16
-peak 989 TFLOP/s for H100/H200), peak device memory (``memory_stats``) and
-the ratios to ``prenorm`` of the same preset measured in the same run.
+peak 989 TFLOP/s for H100/H200), peak device memory (``memory_stats``),
+the memory XLA planned for the step (its buffer assignment) and the ratios
+to ``prenorm`` of the same preset measured in the same run. XLA's
+rematerialization pass is off unless ``--xla_remat``: with it, XLA recomputes
+values until the program fits a limit derived from the memory pool, so every
+scheme's peak sits near that limit and its time includes the recomputation.
 ``--profile N`` then traces N more steps with ``jax.profiler`` and prints
 where each run's GPU time goes (kernel time by category and the largest
 kernels, per step; :mod:`kernel_time`).
@@ -64,7 +68,7 @@ def load_preset(name):
 
 def child(preset: str, scheme: str, steps: int, warmup: int,
           micro_tokens: int, routing_impl: str, cache_dir: str,
-          compile_only: bool, profile: int = 0) -> dict:
+          compile_only: bool, profile: int = 0, devices=None) -> dict:
   t_start = time.time()
 
   def phase(msg):
@@ -80,7 +84,8 @@ def child(preset: str, scheme: str, steps: int, warmup: int,
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   from mhar_jax import parallel, training
   from mhar_jax.config import validate
-  phase(f"jax imported, {jax.devices()[0].device_kind}")
+  devices = devices or jax.devices()[:1]
+  phase(f"jax imported, {devices[0].device_kind}")
 
   scheme_impl, *overrides = scheme.split("+")
   name, _, impl = scheme_impl.partition(":")
@@ -100,7 +105,6 @@ def child(preset: str, scheme: str, steps: int, warmup: int,
   while tokens // accum > micro_tokens and t.global_batch % (accum * 2) == 0:
     accum *= 2
   t.grad_accum = accum
-  devices = jax.devices()[:1]
   model_cfg = validate(cfg, num_devices=1)
   mesh = parallel.make_mesh(1, 1, devices)
   tx = training.make_optimizer(t)
@@ -115,14 +119,16 @@ def child(preset: str, scheme: str, steps: int, warmup: int,
   t0 = time.time()
   step = step.lower(abstract, batch_spec).compile()
   compile_s = time.time() - t0
-  phase(f"train step compiled in {compile_s:.1f}s")
+  xla_bytes = compiled_bytes(step)
+  phase(f"train step compiled in {compile_s:.1f}s, XLA's plan"
+        f" {xla_bytes / 2**30:.2f} GiB")
   t0 = time.time()
   init = training.compiled_init(model_cfg, tx, 0, state_sh)
   init_compile_s = time.time() - t0
   phase(f"initialiser compiled in {init_compile_s:.1f}s")
   if compile_only:
     return {"preset": preset, "scheme": scheme, "compile_s": compile_s,
-            "init_compile_s": init_compile_s}
+            "init_compile_s": init_compile_s, "xla_bytes": xla_bytes}
   t0 = time.time()
   state = init()
   jax.block_until_ready(state)
@@ -171,9 +177,30 @@ def child(preset: str, scheme: str, steps: int, warmup: int,
           "step_s_spread": float(np.percentile(times, 90) - np.percentile(times, 10)),
           "tokens_per_s": tokens / med,
           "mfu": tokens / med * fpt / peak if peak else None,
-          "peak_bytes": stats.get("peak_bytes_in_use"),
+          "peak_bytes": stats.get("peak_bytes_in_use"), "xla_bytes": xla_bytes,
           "load_s": compile_s, "loss": float(m["loss"]),
           "device": devices[0].device_kind, "profile": prof}
+
+
+def compiled_bytes(compiled) -> int:
+  """Device memory XLA planned for a compiled step: its arguments, outputs
+  (less those donated into) and temporaries, from its buffer assignment."""
+  m = compiled.memory_analysis()
+  return (m.argument_size_in_bytes + m.output_size_in_bytes
+          - m.alias_size_in_bytes + m.temp_size_in_bytes)
+
+
+# XLA's rematerialization pass recomputes values to fit the program under a
+# memory limit it derives from the client's memory pool; off, each scheme runs
+# the program it asks for (and its peak is its own need, not the limit).
+NO_REMAT = "--xla_disable_hlo_passes=rematerialization"
+
+
+def child_env(xla_remat: bool) -> dict:
+  env = dict(os.environ)
+  if not xla_remat:
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + NO_REMAT).strip()
+  return env
 
 
 def run_child(run: str, a, compile_only: bool, timeout: int):
@@ -183,13 +210,15 @@ def run_child(run: str, a, compile_only: bool, timeout: int):
          "--micro_tokens", str(a.micro_tokens),
          "--routing_impl", a.routing_impl, "--cache_dir", a.cache_dir,
          "--profile", str(0 if compile_only else a.profile)]
-  env = dict(os.environ)
+  env = child_env(a.xla_remat)
   if compile_only:
     cmd.append("--compile_only")
     # Several compiling processes share the GPU (XLA's autotuner allocates
-    # there): none may preallocate it, and each gets a share of it.
+    # there): none preallocates its pool. The pool's size stays the timing
+    # process's: XLA plans the program (its rematerialization limit) for it,
+    # and the persistent cache's key leaves it out, so the timed executable
+    # is the one compiled here.
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / a.compile_jobs:.2f}"
   t0 = time.time()
   with tempfile.TemporaryFile("w+") as err:
     try:
@@ -237,6 +266,9 @@ def main():
   ap.add_argument("--profile", type=int, default=0,
                   help="after timing, trace this many steps and print the"
                   " GPU kernel time by category")
+  ap.add_argument("--xla_remat", action="store_true",
+                  help="let XLA rematerialize to fit its memory limit (off by"
+                  " default: each scheme's own program, its own peak)")
   ap.add_argument("--child", default="", help=argparse.SUPPRESS)
   ap.add_argument("--compile_only", action="store_true", help=argparse.SUPPRESS)
   a = ap.parse_args()
@@ -249,6 +281,10 @@ def main():
           flush=True)
     return
   start = time.time()
+  print(f"XLA rematerialization {'on' if a.xla_remat else 'off'};"
+        f" XLA_PYTHON_CLIENT_MEM_FRACTION"
+        f" {os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', 'unset')}",
+        flush=True)
   runs = (a.runs.split(",") if a.runs else
           [f"{p}/{s}" for p in a.presets.split(",") for s in a.schemes.split(",")])
   compile_s, lock = {}, threading.Lock()
@@ -313,8 +349,8 @@ def main():
 def print_table(results):
   base = {r["preset"]: r for r in results if r["scheme"] == "prenorm"}
   print("\n| preset | scheme | routing | accum | compile s | step ms |"
-        " tokens/s | MFU | peak GiB | tok/s ratio | mem ratio |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
+        " tokens/s | MFU | peak GiB | XLA GiB | tok/s ratio | mem ratio |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   for r in results:
     b = base.get(r["preset"])
     ratio = r["tokens_per_s"] / b["tokens_per_s"] if b else float("nan")
@@ -322,11 +358,12 @@ def print_table(results):
            if b and r["peak_bytes"] and b["peak_bytes"] else float("nan"))
     mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"
     peak = f"{r['peak_bytes'] / 2**30:.1f}" if r["peak_bytes"] else "-"
+    plan = f"{r['xla_bytes'] / 2**30:.1f}"
     mark = "*" if r.get("timed_during_compiles") else ""
     print(f"| {r['preset']} | {r['scheme']}{mark} | {r['routing']} |"
           f" {r['grad_accum']} | {r['compile_s']:.0f} |"
           f" {r['step_s'] * 1e3:.1f} |"
-          f" {r['tokens_per_s']:,.0f} | {mfu} | {peak} | {ratio:.3f} |"
+          f" {r['tokens_per_s']:,.0f} | {mfu} | {peak} | {plan} | {ratio:.3f} |"
           f" {mem:.3f} |")
   import kernel_time
   for r in results:
