@@ -106,13 +106,13 @@ def test_blocks_match_the_block_loop(num_heads, blocks, buffers, site_group):
 
   def f_fused(h, params, queries, gains):
     return jnp.sum(stack._stack(h, params, queries, gains, consts,
-                                toy_sublayer, plan) * cot)
+                                (toy_sublayer, None), plan) * cot)
 
   def f_loop(h, params, queries, gains):
     return jnp.sum(block_loop(h, params, queries, gains, consts, num_heads,
                               blocks) * cot)
 
-  out = stack._stack(h, params, queries, gains, consts, toy_sublayer, plan)
+  out = stack._stack(h, params, queries, gains, consts, (toy_sublayer, None), plan)
   want = block_loop(h, params, queries, gains, consts, num_heads, blocks)
   assert rel_err(out, want) < 1e-5
   g = jax.jit(jax.grad(f_fused, argnums=(0, 1, 2, 3)))(h, params, queries, gains)
@@ -120,6 +120,67 @@ def test_blocks_match_the_block_loop(num_heads, blocks, buffers, site_group):
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g)[0],
                           jax.tree.leaves(w)):
     assert rel_err(a, b) < 2e-5, (jax.tree_util.keystr(path), rel_err(a, b))
+
+
+def toy_body(j, p, x, consts):
+  """toy_sublayer before an output projection ``wo`` (toy_project)."""
+  return toy_sublayer(j, p, x, consts)
+
+
+def toy_project(j, p, u):
+  return u @ p["wo"] if j % 3 else u       # every third sublayer: identity
+
+
+def composed(j, p, x, consts):
+  return toy_project(j, p, toy_body(j, p, x, consts))
+
+
+@pytest.mark.parametrize("blocks,site_group,buffers", [
+    (None, 0, False), (None, 0, True), (None, 2, True), (None, 4, False),
+    ((0, 0, 1, 1, 1, 2), 0, True)])
+def test_projected_sources_match_the_loop(blocks, site_group, buffers):
+  """With ``project`` the backward recomputes the sources from the
+  projections' inputs (full method) or keeps the block sums: values and
+  every gradient (the projections' weights too) against autodiff of the
+  loop of whole sublayers."""
+  from mhar_jax.kernels import stack
+  n, num_heads = 6, 4
+  h, params, queries, gains, consts, cot = problem(n, 16, seed=11)
+  params = tuple(dict(p, wo=jax.random.normal(jax.random.key(j), (16, 16)) / 4)
+                 for j, p in enumerate(params))
+  blk = tuple(range(n)) if blocks is None else blocks
+  plan = stack._Plan(num_heads, 1e-6, "reference", blocks=blk,
+                     buffers=buffers, site_group=site_group)
+
+  def f_fused(h, params, queries, gains):
+    return jnp.sum(stack._stack(h, params, queries, gains, consts,
+                                (toy_body, toy_project), plan) * cot)
+
+  def f_loop(h, params, queries, gains):
+    done, partial = [h], None
+    for j, p in enumerate(params):
+      src = done if partial is None else done + [partial]
+      x = reference.route(src, queries[j], gains[j], num_heads=num_heads)
+      y = composed(j, p, x, consts)
+      partial = y if partial is None else partial + y
+      if j + 1 == n or blk[j + 1] != blk[j]:
+        done.append(partial)
+        partial = None
+    return jnp.sum(reference.route(done, queries[-1], gains[-1],
+                                   num_heads=num_heads) * cot)
+
+  assert rel_err(f_fused(h, params, queries, gains),
+                 f_loop(h, params, queries, gains)) < 1e-5
+  g = jax.jit(jax.grad(f_fused, argnums=(0, 1, 2, 3)))(h, params, queries, gains)
+  w = jax.jit(jax.grad(f_loop, argnums=(0, 1, 2, 3)))(h, params, queries, gains)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g)[0],
+                          jax.tree.leaves(w)):
+    assert rel_err(a, b) < 2e-5, (jax.tree_util.keystr(path), rel_err(a, b))
+  # full method: the sources are not among the saved residuals
+  if blocks is None:
+    saved = stack._forward(h, params, queries, gains, consts,
+                           (toy_body, toy_project), plan, save=True)[1]
+    assert len(saved[0]) == 1 and len(saved[-1]) == n
 
 
 def test_site_groups():
@@ -166,7 +227,7 @@ def test_buffer_backward_equals_list_backward():
   for buffers in (False, True):
     plan = stack._Plan(4, 1e-6, "reference", buffers=buffers)
     out[buffers] = jax.jit(jax.grad(lambda h, p, q, g: jnp.sum(stack._stack(
-        h, p, q, g, consts, toy_sublayer, plan) * cot), argnums=(0, 1, 2, 3)))(
+        h, p, q, g, consts, (toy_sublayer, None), plan) * cot), argnums=(0, 1, 2, 3)))(
             h, params, queries, gains)
   for a, b in zip(jax.tree.leaves(out[True]), jax.tree.leaves(out[False])):
     assert rel_err(a, b) < 1e-5, rel_err(a, b)
@@ -214,7 +275,7 @@ def test_bad_shapes_are_named():
 # -- the decoder with routing_backward="source" ------------------------------------
 
 def decoder_grads(residual, routing_backward, remat=False, heads=4, seed=0,
-                  num_blocks=0, site_group=0):
+                  num_blocks=0, site_group=0, recompute="none"):
   from flax import nnx
 
   from mhar_jax.layers import Transformer, TransformerConfig
@@ -223,7 +284,8 @@ def decoder_grads(residual, routing_backward, remat=False, heads=4, seed=0,
                           max_seq_len=16, residual=residual, routing_heads=heads,
                           dtype="float32", routing_backward=routing_backward,
                           remat=remat, num_blocks=num_blocks,
-                          routing_site_group=site_group)
+                          routing_site_group=site_group,
+                          recompute_sources=recompute)
   from mhar_jax import training
   gdef = training.graphdef(cfg)
   params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)),
@@ -243,15 +305,21 @@ def decoder_grads(residual, routing_backward, remat=False, heads=4, seed=0,
   return logits, g
 
 
-@pytest.mark.parametrize("residual,heads,remat,num_blocks,site_group", [
-    ("mhar", 4, False, 0, 0), ("attnres", 1, False, 0, 0),
-    ("mhar", 2, True, 0, 0), ("mhar", 4, False, 2, 0),
-    ("attnres", 1, True, 3, 0),
-    ("mhar", 4, False, 0, 3), ("mhar", 2, True, 2, 2)])   # two-phase groups
+@pytest.mark.parametrize(
+    "residual,heads,remat,num_blocks,site_group,recompute", [
+        ("mhar", 4, False, 0, 0, "none"), ("attnres", 1, False, 0, 0, "none"),
+        ("mhar", 2, True, 0, 0, "none"), ("mhar", 4, False, 2, 0, "none"),
+        ("attnres", 1, True, 3, 0, "none"),
+        ("mhar", 4, False, 0, 3, "none"),         # two-phase groups
+        ("mhar", 2, True, 2, 2, "none"),
+        ("mhar", 4, False, 0, 0, "attention"),    # sources recomputed
+        ("attnres", 1, True, 0, 3, "all")])
 def test_decoder_source_backward_equals_site_backward(residual, heads, remat,
-                                                      num_blocks, site_group):
+                                                      num_blocks, site_group,
+                                                      recompute):
   la, ga = decoder_grads(residual, "source", remat, heads,
-                         num_blocks=num_blocks, site_group=site_group)
+                         num_blocks=num_blocks, site_group=site_group,
+                         recompute=recompute)
   lb, gb = decoder_grads(residual, "site", remat, heads, num_blocks=num_blocks)
   assert rel_err(la, lb) < 1e-5
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ga)[0],
@@ -277,6 +345,14 @@ def test_source_backward_is_for_attnres_and_mhar():
   # site groups: only for the source-major stack, a non-negative integer
   with pytest.raises(ValueError, match="model.routing_site_group=4"):
     TransformerConfig(residual="prenorm", num_layers=2, routing_site_group=4)
+  # recomputed sources: the full method's source-major stack only
+  for kw in (dict(num_blocks=2), dict(routing_backward="site"),
+             dict(residual="prenorm")):
+    with pytest.raises(ValueError, match="model.recompute_sources='all'"):
+      TransformerConfig(**{"residual": "mhar", "num_layers": 2,
+                           "recompute_sources": "all", **kw})
+  with pytest.raises(ValueError, match="model.recompute_sources='mlp'"):
+    TransformerConfig(residual="mhar", num_layers=2, recompute_sources="mlp")
   with pytest.raises(ValueError, match="model.routing_site_group=4"):
     TransformerConfig(residual="mhar", num_layers=2, routing_site_group=4,
                       routing_backward="site")

@@ -111,11 +111,13 @@ def test_triton_stack_kernel_inverse_rms(monkeypatch, dtype, lead, d, heads,
                                       site_group)
 
 
-@pytest.mark.parametrize("num_blocks,num_layers", [(0, 3), (2, 3), (0, 13)])
-def test_decoder_source_backward_on_gpu(num_blocks, num_layers):
+@pytest.mark.parametrize("num_blocks,num_layers,recompute", [
+    (0, 3, "none"), (2, 3, "none"), (0, 13, "none"), (0, 13, "attention")])
+def test_decoder_source_backward_on_gpu(num_blocks, num_layers, recompute):
   """The decoder's default source-major stack (Triton; 13 layers: 27 sites,
   so the default groups of 16 route on tensor cores forward, sites 0-14 and
-  15-26, and backward, sources 0-10) against the jnp site-by-site one."""
+  15-26, and backward, sources 0-10; with the attention sublayers' sources
+  recomputed) against the jnp site-by-site one."""
   from flax import nnx
 
   from mhar_jax import training
@@ -129,7 +131,8 @@ def test_decoder_source_backward_on_gpu(num_blocks, num_layers):
   for name, extra in (("site", dict(routing_backward="site",
                                      routing_impl="reference")),
                       ("source", dict(routing_backward="source",
-                                      routing_impl="triton"))):
+                                      routing_impl="triton",
+                                      recompute_sources=recompute))):
     cfg = TransformerConfig(**kw, **extra)
     gdef = training.graphdef(cfg)
     params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)),

@@ -120,20 +120,27 @@ def _sublayer(j, p, x, consts):
   return jnp.tanh(x @ p["w"] + p["b"]) * (1.0 + 0.1 * j)
 
 
-@pytest.mark.parametrize("n,blocks,given_r,site_group,src_groups", [
-    (5, None, True, 0, 0), (5, None, False, 0, 0),
-    (5, (0, 0, 1, 1, 1), True, 0, 0),
-    (5, None, True, 3, 1),              # backward: [3, 6) has no site above
-    (5, (0, 0, 1, 1, 1), True, 2, 0),
+def _project(j, p, u):
+  """An output projection for every other sublayer (identity between)."""
+  return u @ p["w"].T if j % 2 else u
+
+
+@pytest.mark.parametrize("n,blocks,given_r,site_group,src_groups,project", [
+    (5, None, True, 0, 0, None), (5, None, False, 0, 0, None),
+    (5, (0, 0, 1, 1, 1), True, 0, 0, None),
+    (5, None, True, 3, 1, None),        # backward: [3, 6) has no site above
+    (5, None, True, 3, 1, _project),    # ... its sources recomputed
+    (5, (0, 0, 1, 1, 1), True, 2, 0, None),
     # sites 0-14, 15-30 (16 sources), 31-33 (32): whole source blocks;
     # backward [2, 18) and [0, 2) under 16 and 32 sites: whole site blocks
-    (33, None, True, 16, 2)])
+    (33, None, True, 16, 2, None)])
 def test_routed_stack_end_to_end(kernel_module, monkeypatch, n, blocks,
-                                 given_r, site_group, src_groups):
+                                 given_r, site_group, src_groups, project):
   """``routed_stack``'s Triton path as the decoder runs it (forward kernels
   given each source's inverse RMS or not, groups of sites on tensor cores
   reading the in-place source buffer, the whole-stack buffers, the
-  source-major backward kernel), every launch run eagerly by the
+  source-major backward kernel; with ``project``, the sources recomputed
+  from the projections' inputs), every launch run eagerly by the
   interpreter, against the jnp path: values and every gradient."""
   ts = kernel_module
   tr = ts.tr
@@ -162,8 +169,8 @@ def test_routed_stack_end_to_end(kernel_module, monkeypatch, n, blocks,
 
   def run(impl):
     plan = stack._Plan(h, 1e-6, impl, blocks=blk, site_group=site_group)
-    f = lambda x0, ps, q, g: stack._stack(x0, ps, q, g, None, _sublayer,  # noqa: E731
-                                          plan)
+    f = lambda x0, ps, q, g: stack._stack(x0, ps, q, g, None,  # noqa: E731
+                                          (_sublayer, project), plan)
     with jax.disable_jit():
       out, vjp = jax.vjp(f, x0, params, q, g)
       return out, vjp(cot)
@@ -223,11 +230,13 @@ def test_sites_supported(kernel_module):
   assert not ok(1280, 8, 1) and not ok(1280, 8, 65)
 
 
-def test_sharded_group_plumbing(kernel_module, monkeypatch):
+@pytest.mark.parametrize("project", [None, _project])
+def test_sharded_group_plumbing(kernel_module, monkeypatch, project):
   """``routed_stack``'s Triton path with groups of sites and of sources under
   a (data=4, model=2) mesh of CPU devices: every kernel wrapper's shard_map
   specs, reshapes and ``dt`` psums, with the local kernels replaced by the
-  jnp functions they compute, against the jnp path without a mesh."""
+  jnp functions they compute, against the jnp path without a mesh (with
+  ``project``: the backward's groups of recomputed sources)."""
   from mhar_jax.parallel import make_mesh
   ts = kernel_module
   tr = ts.tr
@@ -263,7 +272,8 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch):
   mesh = make_mesh(4, 2, jax.devices()[:8])
 
   def run(plan):
-    f = lambda *a: jnp.sum(stack._stack(*a, None, _sublayer, plan) ** 2)  # noqa: E731
+    f = lambda *a: jnp.sum(stack._stack(*a, None, (_sublayer, project),  # noqa: E731
+                                        plan) ** 2)
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(
         x0, params, q, g)
 

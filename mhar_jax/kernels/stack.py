@@ -32,7 +32,10 @@ full method.
 
 Memory: the residuals are the sources, the sites' outputs (which the
 sublayers save anyway), ``[.., H]`` statistics per site and each sublayer's
-own autodiff residuals: the same as differentiating the loop.
+own autodiff residuals: the same as differentiating the loop. With
+``project`` (full method), the sources are not kept: each is recomputed from
+the input of the sublayer's output projection, which that projection's
+gradient keeps anyway, when the backward reaches it.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import numpy as np
 from mhar_jax.kernels.reference import _heads, inv_rms
 
 Apply = Callable[[int, Any, jax.Array, Any], jax.Array]
+Project = Callable[[int, Any, jax.Array], jax.Array]
 
 
 # routed_stack's site_group where groups route on tensor cores. 1b training on
@@ -63,7 +67,8 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
                  num_heads: int, eps: float = 1e-6,
                  impl: str | None = None,
                  blocks: Sequence[int] | None = None,
-                 site_group: int | None = None) -> jax.Array:
+                 site_group: int | None = None,
+                 project: Project | None = None) -> jax.Array:
   """The output of the last routing site of a fully routed stack.
 
   Args:
@@ -101,6 +106,15 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
       Full method only (blocked groups on tensor cores were slower).
       ``None``: :data:`AUTO_SITE_GROUP` where those groups route on tensor
       cores (Triton, the full method, a head width they take), else 0.
+    project: ``project(j, params[j], u) -> y``, hashable like ``apply``:
+      sublayer ``j``'s output projection. Given, ``apply`` returns its input
+      ``u`` (e.g. the attention heads before W_o) and the sublayer is
+      ``project(j, p, apply(j, p, x, consts))``. For the full method the
+      backward then recomputes each source from ``u`` (kept anyway for the
+      projection's gradient) instead of keeping it: one copy of the sources
+      less in memory for one more projection a sublayer. An identity
+      ``project`` (``u`` is the output) keeps that sublayer's output as
+      before. Blocks keep their sums.
 
   Returns:
     ``x_n`` ``[..., D]`` in ``h``'s dtype.
@@ -133,7 +147,8 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
     from mhar_jax.kernels import triton_route
     mesh, axes = triton_route.sharding_plan(h)
     plan = dataclasses.replace(plan, mesh=mesh, batch_axes=axes)
-  return _stack(h, tuple(params), queries, gains, consts, apply, plan)
+  return _stack(h, tuple(params), queries, gains, consts, (apply, project),
+                plan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,20 +254,24 @@ def _continue(outs, lses, k, sources, t_j, r, plan):
   return out.reshape(outs.shape[1:]).astype(outs.dtype), lse
 
 
-def _forward(h, params, queries, gains, consts, apply, plan, save):
-  """Runs the stack. Saved: ``done``/``done_r`` (``s_0`` and the finished block
-  sums with their inv-RMS; ``done`` as the ``[len(done), ..., D]`` buffer
-  when groups of sites route on tensor cores), ``partials``/``partial_r``
-  (per site: the partial sum it reads, or None; sites 0 .. n-1, the final
-  site reads none), the sites' outputs and log-sum-exps, the sublayers' VJPs
-  and ``t = query * gain``."""
+def _forward(h, params, queries, gains, consts, fns, plan, save):
+  """Runs the stack (``fns = (apply, project)``). Saved: ``done``/``done_r``
+  (``s_0`` and the finished block sums with their inv-RMS; ``done`` as the
+  ``[len(done), ..., D]`` buffer when groups of sites route on tensor cores,
+  ``[s_0]`` alone when the sources are recomputed), ``partials``/
+  ``partial_r`` (per site: the partial sum it reads, or None; sites 0 ..
+  n-1, the final site reads none), the sites' outputs and log-sum-exps, the
+  sublayers' VJPs (of ``apply`` alone when recomputing), ``t = query *
+  gain`` and the projections' inputs ``us`` (None unless recomputing)."""
+  apply, project = fns
+  recompute = project is not None and plan.full
   t = (queries.astype(jnp.float32) * gains.astype(jnp.float32)).reshape(
       queries.shape[0], plan.num_heads, -1)
   ends = plan.block_ends(len(params))
   group_end = dict(plan.site_groups(len(params)))
   done, done_r = [h], [inv_rms(h, plan.eps)]
   partials, partial_r = [None] * len(params), [None] * len(params)
-  xs, lses, vjps = [], [], []
+  xs, lses, vjps, us = [], [], [], []
   partial = None
   group = None     # (first site, len(done) then, outputs, log-sum-exps)
   # Groups routed on tensor cores read the finished sources from one buffer
@@ -296,11 +315,18 @@ def _forward(h, params, queries, gains, consts, apply, plan, save):
     if partial is not None:
       partials[j], partial_r[j] = partial, inv_rms(partial, plan.eps)
     x, lse = route_site(j)
+    if recompute or project is None:
+      f = functools.partial(_sublayer, apply, None, j, consts)
+    else:
+      f = functools.partial(_sublayer, apply, project, j, consts)
     if save:
-      y, vjp = jax.vjp(lambda p, x, j=j: apply(j, p, x, consts), p, x)
+      y, vjp = jax.vjp(f, p, x)
       vjps.append(vjp)
     else:
-      y = apply(j, p, x, consts)
+      y = f(p, x)
+    if recompute:
+      us.append(y)
+      y = project(j, p, y)
     if y.shape != h.shape or y.dtype != h.dtype:
       raise ValueError(
           f"routed_stack: sublayer {j} returned {y.shape} {y.dtype}; it must"
@@ -318,21 +344,30 @@ def _forward(h, params, queries, gains, consts, apply, plan, save):
   xs.append(x)
   lses.append(lse)
   # Save the finished sources once: as the buffer when there is one (its
-  # rows are ``done``'s, indexed alike by the backward), else as the list.
+  # rows are ``done``'s, indexed alike by the backward), else as the list;
+  # or only s_0, the rest being recomputed from ``us``.
+  if recompute:
+    return x, ([h], done_r, partials, partial_r, xs, lses, vjps, t, us)
   return x, (done if buf is None else buf, done_r, partials, partial_r, xs,
-             lses, vjps, t)
+             lses, vjps, t, None)
+
+
+def _sublayer(apply, project, j, consts, p, x):
+  """Sublayer ``j``: ``apply``, then ``project`` if given."""
+  u = apply(j, p, x, consts)
+  return u if project is None else project(j, p, u)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _stack(h, params, queries, gains, consts, apply, plan):
-  return _forward(h, params, queries, gains, consts, apply, plan,
+def _stack(h, params, queries, gains, consts, fns, plan):
+  return _forward(h, params, queries, gains, consts, fns, plan,
                   save=False)[0]
 
 
-def _stack_fwd(h, params, queries, gains, consts, apply, plan):
-  x, saved = _forward(h, params, queries, gains, consts, apply, plan,
+def _stack_fwd(h, params, queries, gains, consts, fns, plan):
+  x, saved = _forward(h, params, queries, gains, consts, fns, plan,
                       save=True)
-  return x, (saved, queries, gains, consts)
+  return x, (saved, params, queries, gains, consts)
 
 
 def source_grad(s, r, dX, t, lse, xd, i: int, num_heads: int,
@@ -428,9 +463,10 @@ def _source_grad_lists(s, r, dxs, xs_dot, t, lses, num_heads):
   return ds.reshape(s.shape).astype(s.dtype), jnp.stack(dts).reshape(-1, d)
 
 
-def _stack_bwd(apply, plan, res, g):
-  (done, done_r, partials, partial_r, xs, lses, vjps, t), queries, gains, \
-      consts = res
+def _stack_bwd(fns, plan, res, g):
+  (done, done_r, partials, partial_r, xs, lses, vjps, t, us), params, \
+      queries, gains, consts = res
+  project = fns[1]
   n, h = len(vjps), plan.num_heads
   ends = plan.block_ends(n)
   tt = t.reshape(n + 1, -1)
@@ -459,13 +495,31 @@ def _stack_bwd(apply, plan, res, g):
   # whole group at once on tensor cores, and each source then adds its sites
   # i .. b-1 on its own.
   group_of, share = {}, None     # share: (a, acc, coef) of the last group
-  if not isinstance(done, list) and plan.site_group >= 2:
+  if (us is not None or not isinstance(done, list)) and plan.site_group >= 2:
     for b in range(n + 1, 0, -plan.site_group):
       a = max(0, b - plan.site_group)
       if b <= n and _tensor_core_group(plan, b - a, g.shape[-1]):
         group_of.update({i: (a, b) for i in range(a, b)})
 
-  def grad_of(s, r, i, m):
+  # Recomputing: source i + 1 and the VJP of its projection, from when the
+  # backward first needs it until sublayer i's gradient is taken.
+  projected = {}
+
+  def source(k):
+    """Finished source ``k`` (``done``'s index; recomputed: sublayer k-1's
+    output)."""
+    if us is None or k == 0:
+      return done[k]
+    if k not in projected:
+      projected[k] = jax.vjp(functools.partial(project, k - 1),
+                             params[k - 1], us[k - 1])
+    return projected[k][0]
+
+  def grad_of(k, i, m):
+    """Gradient of finished source ``k`` read by sites ``i .. i+m-1``."""
+    return _grad_of(source(k), done_r[k], i, m)
+
+  def _grad_of(s, r, i, m):
     """Gradient of source ``s`` read by sites ``i .. i+m-1``; adds its share
     of those sites' query-gain gradient to ``dt``."""
     nonlocal dt, share
@@ -474,8 +528,10 @@ def _stack_bwd(apply, plan, res, g):
       a, b = group_of[i]
       if share is None or share[0] != a:
         from mhar_jax.kernels import triton_stack
+        rows, a0 = ((done, a) if us is None else
+                    (jnp.stack([source(k) for k in range(a, b)]), 0))
         acc, coef, dtp = triton_stack.sources_partial(
-            done, a, b - a, jnp.stack(done_r[a:b]), dX, tt, lse, xd, b,
+            rows, a0, b - a, jnp.stack(done_r[a:b]), dX, tt, lse, xd, b,
             n + 1 - b, h, plan.mesh, plan.batch_axes)
         dt = dt.at[b:].add(dtp)
         share = (a, acc, coef)
@@ -496,21 +552,26 @@ def _stack_bwd(apply, plan, res, g):
   # Walk the sublayers down. ``dy`` is the gradient of sublayer j's output:
   # its block sum's gradient (read by every site after the block) plus those
   # of the partial sums after j in its block (each read by one site).
-  finished = len(done) - 1     # index in ``done`` of the block j ends
+  finished = len(done_r) - 1   # index in ``done`` of the block j ends
   dy = None
   for j in range(n - 1, -1, -1):
     if ends[j]:
-      dy = grad_of(done[finished], done_r[finished], j + 1, n - j)
+      dy = grad_of(finished, j + 1, n - j)
       finished -= 1
-    dparams[j], dx = vjps[j](dy)
+    if us is not None:
+      dp_project, dy = projected.pop(j + 1)[1](dy)
+      dparams[j], dx = vjps[j](dy)
+      dparams[j] = jax.tree.map(jnp.add, dparams[j], dp_project)
+    else:
+      dparams[j], dx = vjps[j](dy)
     if plan.use_buffers:
       dX = dX.at[j].set(dx.astype(dX.dtype))
       xd = xd.at[j].set(dot_heads(dx, xs[j]))
     else:
       dxs[j], xds[j] = dx, dot_heads(dx, xs[j])
     if partials[j] is not None:
-      dy = dy + grad_of(partials[j], partial_r[j], j, 1)
-  dh = grad_of(done[0], done_r[0], 0, n + 1)
+      dy = dy + _grad_of(partials[j], partial_r[j], j, 1)
+  dh = grad_of(0, 0, n + 1)
   # Site 0 reads s_0 alone: its query and gain have exactly zero gradient.
   # The formula leaves rounding noise there (<dx_0, s_0> - xd_0), which
   # Adam would turn into a random walk of parameters that cannot matter.

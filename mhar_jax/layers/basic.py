@@ -110,6 +110,10 @@ class Attention(nnx.Module):
                             rngs=rngs)
 
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    return self.project(self.heads(x, positions))
+
+  def heads(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Every head's attention output before ``W_o``: ``[B, T, H, K]``."""
     dt = self.dtype
     x = x.astype(dt)
     q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
@@ -127,9 +131,12 @@ class Attention(nnx.Module):
     if impl is None:     # cuDNN flash attention where it applies, else XLA
       impl = ("cudnn" if jax.default_backend() == "gpu"
               and q.dtype in (jnp.bfloat16, jnp.float16) else "xla")
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                     implementation=impl)
-    out = jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(dt))
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                        implementation=impl)
+
+  def project(self, o: jax.Array) -> jax.Array:
+    """The output projection ``[B, T, H, K] @ W_o -> [B, T, D]``."""
+    out = jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(self.dtype))
     return constrain(out, BTD)
 
 
@@ -148,13 +155,20 @@ class SwiGLU(nnx.Module):
                         param_dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    return self.project(self.hidden(x))
+
+  def hidden(self, x: jax.Array) -> jax.Array:
+    """``silu(x W_gate) * (x W_up)``: ``[B, T, D] -> [B, T, F]``."""
     dt = self.dtype
     x = x.astype(dt)
     h = (jax.nn.silu(x @ self.w_gate[...].astype(dt))
          * (x @ self.w_up[...].astype(dt)))
-    h = constrain(h, ("activation_batch", "activation_length",
-                      "activation_mlp"))
-    return constrain(h @ self.w_down[...].astype(dt), BTD)
+    return constrain(h, ("activation_batch", "activation_length",
+                         "activation_mlp"))
+
+  def project(self, h: jax.Array) -> jax.Array:
+    """The down projection ``[B, T, F] @ W_down -> [B, T, D]``."""
+    return constrain(h @ self.w_down[...].astype(self.dtype), BTD)
 
 
 @jax.custom_vjp

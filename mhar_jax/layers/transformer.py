@@ -48,6 +48,7 @@ ROUTED = ("attnres", "mhar", "delta")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
           "float16": jnp.float16}
 ATTENTION_IMPLS = (None, "xla", "cudnn")
+RECOMPUTE_SOURCES = ("none", "attention", "all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,11 @@ class TransformerConfig:
   # and the full method, else 0). Same function up to rounding; an
   # implementation choice.
   routing_site_group: int | None = None
+  # Source-major full-method stacks: recompute the routing sources of these
+  # sublayers from their output projection's input in the backward instead
+  # of keeping them ("none" | "attention" | "all"): a copy of their outputs
+  # less at the memory peak for one more output projection each.
+  recompute_sources: str = "none"
   remat: bool = False
 
   def __post_init__(self):
@@ -135,6 +141,16 @@ class TransformerConfig:
           " (AttnRes / MHAR with routing_backward 'auto' or 'source');"
           f" got model.residual={self.residual!r},"
           f" routing_backward={self.routing_backward!r}.")
+
+    if self.recompute_sources not in RECOMPUTE_SOURCES:
+      bad("recompute_sources", f"choose one of {RECOMPUTE_SOURCES}.")
+    if self.recompute_sources != "none" and not (
+        self.source_major_backward and self.num_blocks == 0):
+      bad("recompute_sources", "recomputes the sources of the full method's"
+          " source-major stack (AttnRes / MHAR, num_blocks=0, routing_backward"
+          f" 'auto' or 'source'); got model.residual={self.residual!r},"
+          f" num_blocks={self.num_blocks}, routing_backward="
+          f"{self.routing_backward!r}. Set it to 'none'.")
 
   @property
   def source_major_backward(self) -> bool:
@@ -191,7 +207,14 @@ class AttentionSublayer(nnx.Module):
                           qk_norm=cfg.qk_norm, rngs=rngs)
 
   def __call__(self, x, positions):
-    return self.attn(self.norm(x), positions)
+    return self.project(self.body(x, positions))
+
+  def body(self, x, positions):
+    """Everything before the output projection: ``[B, T, H, K]``."""
+    return self.attn.heads(self.norm(x), positions)
+
+  def project(self, u):
+    return self.attn.project(u)
 
 
 class MLPSublayer(nnx.Module):
@@ -205,8 +228,15 @@ class MLPSublayer(nnx.Module):
                       dtype=cfg.compute_dtype, param_dtype=pd, rngs=rngs)
 
   def __call__(self, x, positions):
+    return self.project(self.body(x, positions))
+
+  def body(self, x, positions):
+    """Everything before the down projection: ``[B, T, F]``."""
     del positions
-    return self.mlp(self.norm(x))
+    return self.mlp.hidden(self.norm(x))
+
+  def project(self, u):
+    return self.mlp.project(u)
 
 
 class DecoderLayer(nnx.Module):
@@ -221,9 +251,18 @@ def _call_sublayer(sublayer, x, positions):
   return sublayer(x, positions)
 
 
-def _apply_sublayer(j, state, x, positions, *, graphdefs):
-  """Sublayer ``j`` as a pure function of its state (for ``routed_stack``)."""
-  return nnx.merge(graphdefs[j], state)(x, positions)
+def _apply_sublayer(j, state, x, positions, *, graphdefs, split=None):
+  """Sublayer ``j`` as a pure function of its state (for ``routed_stack``);
+  where ``split[j]``, only its body (the input of its output projection)."""
+  sublayer = nnx.merge(graphdefs[j], state)
+  if split is not None and split[j]:
+    return sublayer.body(x, positions)
+  return sublayer(x, positions)
+
+
+def _project_sublayer(j, state, u, *, graphdefs, split):
+  """Sublayer ``j``'s output projection where ``split[j]``, else ``u``."""
+  return nnx.merge(graphdefs[j], state).project(u) if split[j] else u
 
 
 class Transformer(nnx.Module):
@@ -326,7 +365,15 @@ class Transformer(nnx.Module):
     backward)."""
     from mhar_jax.kernels.stack import routed_stack
     graphdefs, states = zip(*(nnx.split(f) for f in subs))
-    apply = functools.partial(_apply_sublayer, graphdefs=tuple(graphdefs))
+    recompute = self.cfg.recompute_sources
+    split = project = None
+    if recompute != "none":
+      split = tuple(recompute == "all" or isinstance(f, AttentionSublayer)
+                    for f in subs)
+      project = functools.partial(_project_sublayer,
+                                  graphdefs=tuple(graphdefs), split=split)
+    apply = functools.partial(_apply_sublayer, graphdefs=tuple(graphdefs),
+                              split=split)
     if self.cfg.remat:
       apply = jax.checkpoint(apply, static_argnums=(0,))
     queries = jnp.stack([r.query[...] for r in self.routers])
@@ -335,7 +382,8 @@ class Transformer(nnx.Module):
                         num_heads=self.cfg.heads_per_site,
                         eps=self.cfg.norm_eps, impl=self.cfg.routing_impl,
                         blocks=self.cfg.blocks,
-                        site_group=self.cfg.routing_site_group)
+                        site_group=self.cfg.routing_site_group,
+                        project=project)
 
   def _delta(self, h, subs, call, positions, routing, record):
     """The delta form: the ordinary stream plus ``gate * route([null, deltas])``."""
