@@ -12,16 +12,24 @@ library take its GPU paths as on the device (the Triton routing kernels,
 cuDNN attention) by answering "gpu" for ``jax.default_backend()`` and sm_90
 for jax-triton's compute-capability query.
 
-Needs Python >= 3.12 with the CUDA plugin of the device's jax, e.g.
-``pip install "jax[cuda13]==0.11.2" triton==3.6.0`` plus jax-triton and the
-project's dependencies (no GPU or driver needed).
+Needs Python >= 3.12 with the CUDA plugin of the device's jax (no GPU or
+driver), e.g. as session 14 made it::
 
-``pool_bytes`` is the memory XLA plans the program for. The GPU client gives
-the compiler the allocator's pool (``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the
-card); here the target's ``device_memory_size`` stands in for it, and XLA's
-rematerialization then squeezes the program towards ~0.76 of it. Calibration
-against the device (RESULTS.md, session 14): 1b prenorm at a 0.92 pool,
-98.7 GiB here against 98.1 measured.
+    python3.12 -m venv /tmp/venvaot && . /tmp/venvaot/bin/activate
+    pip install "jax[cuda13]==0.11.2" triton==3.6.0 \
+        ../shared/wheels/gpu-py312/{jax_triton,grain,array_record}-*.whl
+    pip install -e . && pip install flax optax orbax-checkpoint chex \
+        ml_collections tensorboard tokenizers safetensors matplotlib
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python benchmarks/peak_buffers.py \
+        --deviceless --runs 1b/prenorm,1b/mhar
+
+``pool_bytes`` stands for the memory pool the GPU client gives XLA
+(``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the card): it sets the limit XLA's
+rematerialization squeezes the program towards (~0.76 of it here). With that
+pass off (``--xla_disable_hlo_passes=rematerialization``, as the throughput
+benchmark compiles) the pool does not matter. How close these plans are to
+the device's own (whose autotuner may pick other fusions) is checked by the
+throughput table's "XLA GiB" column beside the measured peak.
 """
 
 from __future__ import annotations
