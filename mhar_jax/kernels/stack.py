@@ -502,8 +502,11 @@ def _stack_bwd(fns, plan, res, g):
         group_of.update({i: (a, b) for i in range(a, b)})
 
   # Recomputing: source i + 1 and the VJP of its projection, from when the
-  # backward first needs it until sublayer i's gradient is taken.
-  projected = {}
+  # backward first needs it until sublayer i's gradient is taken. Its inputs
+  # pass an optimization barrier with the latest cotangent (``after``), so
+  # that XLA neither merges the recomputation with the forward's product
+  # (which would keep the source alive after all) nor hoists it.
+  projected, after = {}, g
 
   def source(k):
     """Finished source ``k`` (``done``'s index; recomputed: sublayer k-1's
@@ -511,8 +514,8 @@ def _stack_bwd(fns, plan, res, g):
     if us is None or k == 0:
       return done[k]
     if k not in projected:
-      projected[k] = jax.vjp(functools.partial(project, k - 1),
-                             params[k - 1], us[k - 1])
+      _, p, u = jax.lax.optimization_barrier((after, params[k - 1], us[k - 1]))
+      projected[k] = jax.vjp(functools.partial(project, k - 1), p, u)
     return projected[k][0]
 
   def grad_of(k, i, m):
@@ -562,6 +565,7 @@ def _stack_bwd(fns, plan, res, g):
       dp_project, dy = projected.pop(j + 1)[1](dy)
       dparams[j], dx = vjps[j](dy)
       dparams[j] = jax.tree.map(jnp.add, dparams[j], dp_project)
+      after = dx
     else:
       dparams[j], dx = vjps[j](dy)
     if plan.use_buffers:
