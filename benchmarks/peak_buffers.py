@@ -60,6 +60,12 @@ def peak_report(text: str) -> dict:
       by_op=sorted(by_op, key=lambda x: -x[1]))
 
 
+def rematerialized(hlo: str) -> int:
+  """Instructions XLA's rematerialization pass added (named ``*.remat*``) in
+  an optimized module's text."""
+  return len(re.findall(r"^\s*(?:ROOT )?%[^\s=]*\.remat[^\s=]* = ", hlo, re.M))
+
+
 def op_key(op: str) -> str:
   """A JAX operation name without its transformation wrappers, so the same
   operation compares equal across schemes: ``jit(step)/jvp(jvp(vmap()))/div``
@@ -120,9 +126,12 @@ def main():
         print(f"== {run}: compile rc {rc}, {len(files)} live-range dumps")
         continue
       rep = peak_report(open(files[-1]).read())
+      hlo = sorted(glob.glob(os.path.join(
+          dump, "*jit_step*after_optimizations.txt")), key=os.path.getsize)
+      remat = rematerialized(open(hlo[-1]).read()) if hlo else "?"
       gib = lambda x: f"{x / 2**30:8.3f} GiB" if x is not None else "-"  # noqa: E731
       print(f"== {run}: peak {gib(rep['peak'])} at schedule position "
-            f"{rep['position']}")
+            f"{rep['position']}; {remat} rematerialized instructions")
       print("  by operation:")
       for op, n in rep["by_op"][:a.top]:
         print(f"  {gib(n)}  {op[-100:]}")

@@ -47,3 +47,13 @@ def test_op_key_drops_transformation_wrappers():
 def test_peak_report_without_a_peak_section():
   rep = peak_buffers.peak_report("HloLiveRange (max 0):\n")
   assert rep == dict(position=None, peak=None, live=[], by_op=[])
+
+
+def test_rematerialized_counts_the_remat_pass_copies():
+  hlo = """ENTRY %main {
+  %fusion.3 = f32[4]{0} fusion(%p0), kind=kLoop
+  %fusion.3.remat = f32[4]{0} fusion(%p0), kind=kLoop
+  %convert.1.remat2 = bf16[4]{0} convert(%fusion.3.remat)
+  ROOT %tuple.5 = (f32[4]) tuple(%fusion.3)
+}"""
+  assert peak_buffers.rematerialized(hlo) == 2
