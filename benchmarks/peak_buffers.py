@@ -86,8 +86,8 @@ def compile_with_dump(run: str, dump: str, micro_tokens: int,
   import throughput
   preset, _, scheme = run.partition("/")
   env = throughput.child_env(xla_remat)
-  env["XLA_FLAGS"] += (f" --xla_dump_to={dump}"
-                       " --xla_dump_hlo_module_re=jit_step")
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
+                      " --xla_dump_hlo_module_re=jit_step")
   code = ("import sys; sys.path.insert(0, %r); devices = None\n"
           % os.path.join(ROOT, "benchmarks"))
   if deviceless:
