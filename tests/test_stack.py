@@ -27,13 +27,14 @@ def loop(h, params, queries, gains, consts, num_heads, eps=1e-6):
                          eps=eps)
 
 
-def block_loop(h, params, queries, gains, consts, num_heads, blocks):
+def block_loop(h, params, queries, gains, consts, num_heads, blocks,
+               sublayer=toy_sublayer):
   """Block AttnRes / MHAR written out site by site (as layers.Transformer)."""
   done, partial = [h], None
   for j, p in enumerate(params):
     sources = done if partial is None else done + [partial]
     x = reference.route(sources, queries[j], gains[j], num_heads=num_heads)
-    y = toy_sublayer(j, p, x, consts)
+    y = sublayer(j, p, x, consts)
     partial = y if partial is None else partial + y
     if j + 1 == len(params) or blocks[j + 1] != blocks[j]:
       done.append(partial)
@@ -103,20 +104,30 @@ def test_blocks_match_the_block_loop(num_heads, blocks, buffers, site_group):
   h, params, queries, gains, consts, cot = problem(n, 16, seed=n)
   plan = stack._Plan(num_heads, 1e-6, "reference", blocks=blocks,
                      buffers=buffers, site_group=site_group)
+  assert_stack_is_the_block_loop(plan, (toy_sublayer, None), toy_sublayer,
+                                 h, params, queries, gains, consts, cot)
+
+
+def assert_stack_is_the_block_loop(plan, fns, sublayer, h, params, queries,
+                                   gains, consts, cot):
+  """``stack._stack`` with ``fns`` against autodiff of ``block_loop`` with
+  ``sublayer``: the value and every gradient."""
+  from mhar_jax.kernels import stack
 
   def f_fused(h, params, queries, gains):
-    return jnp.sum(stack._stack(h, params, queries, gains, consts,
-                                (toy_sublayer, None), plan) * cot)
+    return jnp.sum(stack._stack(h, params, queries, gains, consts, fns,
+                                plan) * cot)
 
   def f_loop(h, params, queries, gains):
-    return jnp.sum(block_loop(h, params, queries, gains, consts, num_heads,
-                              blocks) * cot)
+    return jnp.sum(block_loop(h, params, queries, gains, consts,
+                              plan.num_heads, plan.blocks, sublayer) * cot)
 
-  out = stack._stack(h, params, queries, gains, consts, (toy_sublayer, None), plan)
-  want = block_loop(h, params, queries, gains, consts, num_heads, blocks)
-  assert rel_err(out, want) < 1e-5
-  g = jax.jit(jax.grad(f_fused, argnums=(0, 1, 2, 3)))(h, params, queries, gains)
-  w = jax.jit(jax.grad(f_loop, argnums=(0, 1, 2, 3)))(h, params, queries, gains)
+  args = (h, params, queries, gains)
+  assert rel_err(stack._stack(*args, consts, fns, plan),
+                 block_loop(*args, consts, plan.num_heads, plan.blocks,
+                            sublayer)) < 1e-5
+  g = jax.jit(jax.grad(f_fused, argnums=(0, 1, 2, 3)))(*args)
+  w = jax.jit(jax.grad(f_loop, argnums=(0, 1, 2, 3)))(*args)
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g)[0],
                           jax.tree.leaves(w)):
     assert rel_err(a, b) < 2e-5, (jax.tree_util.keystr(path), rel_err(a, b))
@@ -151,31 +162,8 @@ def test_projected_sources_match_the_loop(blocks, site_group, buffers):
   blk = tuple(range(n)) if blocks is None else blocks
   plan = stack._Plan(num_heads, 1e-6, "reference", blocks=blk,
                      buffers=buffers, site_group=site_group)
-
-  def f_fused(h, params, queries, gains):
-    return jnp.sum(stack._stack(h, params, queries, gains, consts,
-                                (toy_body, toy_project), plan) * cot)
-
-  def f_loop(h, params, queries, gains):
-    done, partial = [h], None
-    for j, p in enumerate(params):
-      src = done if partial is None else done + [partial]
-      x = reference.route(src, queries[j], gains[j], num_heads=num_heads)
-      y = composed(j, p, x, consts)
-      partial = y if partial is None else partial + y
-      if j + 1 == n or blk[j + 1] != blk[j]:
-        done.append(partial)
-        partial = None
-    return jnp.sum(reference.route(done, queries[-1], gains[-1],
-                                   num_heads=num_heads) * cot)
-
-  assert rel_err(f_fused(h, params, queries, gains),
-                 f_loop(h, params, queries, gains)) < 1e-5
-  g = jax.jit(jax.grad(f_fused, argnums=(0, 1, 2, 3)))(h, params, queries, gains)
-  w = jax.jit(jax.grad(f_loop, argnums=(0, 1, 2, 3)))(h, params, queries, gains)
-  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g)[0],
-                          jax.tree.leaves(w)):
-    assert rel_err(a, b) < 2e-5, (jax.tree_util.keystr(path), rel_err(a, b))
+  assert_stack_is_the_block_loop(plan, (toy_body, toy_project), composed,
+                                 h, params, queries, gains, consts, cot)
   # full method: the sources are not among the saved residuals
   if blocks is None:
     saved = stack._forward(h, params, queries, gains, consts,
