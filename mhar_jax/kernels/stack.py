@@ -181,13 +181,13 @@ class _Plan:
 
   def site_groups(self, n: int) -> list[tuple[int, int]]:
     """The sites ``0 .. n`` as ``[start, stop)`` runs routed together."""
-    ends = self.block_ends(n)
     if self.site_group < 2:
       return [(j, j + 1) for j in range(n + 1)]
-    if all(ends):   # full method: G - 1 sites, then runs of G from site G - 1
+    if self.full:   # full method: G - 1 sites, then runs of G from site G - 1
       g = self.site_group     # (site a reads a + 1 sources: a multiple of G)
       starts = [0, *range(g - 1, n + 1, g)]
       return list(zip(starts, [*starts[1:], n + 1]))
+    ends = self.block_ends(n)
     starts = [0] + [j + 1 for j in range(n) if ends[j]]   # block starts
     return list(zip(starts, starts[1:] + [n + 1]))
 
@@ -315,10 +315,8 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
     if partial is not None:
       partials[j], partial_r[j] = partial, inv_rms(partial, plan.eps)
     x, lse = route_site(j)
-    if recompute or project is None:
-      f = functools.partial(_sublayer, apply, None, j, consts)
-    else:
-      f = functools.partial(_sublayer, apply, project, j, consts)
+    f = functools.partial(_sublayer, apply, None if recompute else project, j,
+                          consts)
     if save:
       y, vjp = jax.vjp(f, p, x)
       vjps.append(vjp)
