@@ -35,6 +35,7 @@ throughput table's "XLA GiB" column beside the measured peak.
 from __future__ import annotations
 
 import os
+import sys
 
 H200_BYTES = 143771 * 2**20          # nvidia-smi's memory.total
 
@@ -72,7 +73,6 @@ def setup(pool_bytes: int | None = None):
   Must run before jax is imported. ``pool_bytes`` defaults to
   ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (else 0.75, JAX's default) of the card.
   """
-  import sys
   if "jax" in sys.modules:
     raise RuntimeError("h200_aot.setup() must run before jax is imported")
   os.environ["CUDA_VISIBLE_DEVICES"] = "-1"

@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 
+import throughput   # this directory: on the path when run or imported
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -82,8 +84,6 @@ def compile_with_dump(run: str, dump: str, micro_tokens: int,
                       xla_remat: bool, deviceless: bool) -> int:
   """Compiles ``run``'s train step in a child process dumping to ``dump``
   (for an H200 without one if ``deviceless``: :mod:`h200_aot`)."""
-  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-  import throughput
   preset, _, scheme = run.partition("/")
   env = throughput.child_env(xla_remat)
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
