@@ -24,7 +24,8 @@ source-major backward; with Triton its sites in groups of 16 on tensor cores,
 ``mhar+routing_site_group=0`` each alone), ``mhar_b8`` (H=8, 8 blocks),
 ``mhar_site`` (H=8 with ``routing_backward="site"``); append ``:reference`` or ``:triton`` to force
 the routing implementation (e.g. ``mhar:reference``) and ``+KEY=VALUE`` to
-override a model config key (e.g. ``prenorm+remat=True``). Presets are config files in
+override a model config key (e.g. ``prenorm+remat=True``; another section's
+with its name, ``mhar+train.loss_chunk_tokens=8192``). Presets are config files in
 ``configs/`` (``100m``, ``350m``, ``1b``, ``bench100m``, ...).
 
 Two phases: first every (preset, scheme) is compiled ahead of time, up to
@@ -97,7 +98,8 @@ def child(preset: str, scheme: str, steps: int, warmup: int,
       value = ast.literal_eval(value)
     except (ValueError, SyntaxError):
       pass
-    cfg.model[key] = value
+    section, _, key = key.rpartition(".")
+    cfg[section or "model"][key] = value
   cfg.model.routing_impl = impl or routing_impl
   t = cfg.train
   tokens = t.global_batch * t.seq_len

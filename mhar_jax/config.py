@@ -50,6 +50,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.decay = "matrices"      # "matrices" (ndim >= 2, no embedding) | "all" | "matrices+embedding"
   c.train.clip_norm = 1.0
   c.train.z_loss = 0.0
+  c.train.loss_chunk_tokens = 4096  # tokens per device per chunk of the LM head + loss
   c.train.nonfinite = "stop"      # "stop" | "skip"
   c.train.max_consecutive_skips = 10
 
@@ -131,7 +132,8 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int,
   m = model_config(c)
   data, model = mesh_shape(c, num_devices)
   t = c.train
-  for key in ("steps", "global_batch", "seq_len", "grad_accum"):
+  for key in ("steps", "global_batch", "seq_len", "grad_accum",
+              "loss_chunk_tokens"):
     if not isinstance(t[key], int) or t[key] < 1:
       raise ValueError(f"train.{key}={t[key]!r}: must be a positive integer.")
   if t.seq_len > m.max_seq_len:

@@ -95,7 +95,8 @@ class Trainer:
     self.train_step = training.make_train_step(self.gdef, self.tx, cfg.train,
                                                self.state_sh, self.batch_sh)
     self.eval_step = training.make_eval_step(self.gdef, self.state_sh["params"],
-                                             self.batch_sh)
+                                             self.batch_sh,
+                                             cfg.train.loss_chunk_tokens)
     self.routing_stats = (
         training.make_routing_stats(self.gdef, self.state_sh["params"],
                                     self.batch_sh)

@@ -24,6 +24,7 @@ from flax.core import spmd as core_spmd
 
 from mhar_jax.layers import DEFAULT_RULES, Transformer, TransformerConfig
 from mhar_jax.layers.router import mean_entropy
+from mhar_jax.loss import lm_head_cross_entropy
 from mhar_jax.parallel import replicated, state_shardings
 
 State = dict[str, Any]
@@ -66,50 +67,6 @@ def make_optimizer(t: ml_collections.ConfigDict) -> optax.GradientTransformation
       optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=t.adam_eps,
                   weight_decay=t.weight_decay,
                   mask=functools.partial(decay_mask, mode=t.decay)))
-
-
-# -- loss ---------------------------------------------------------------------
-
-def cross_entropy(logits: jax.Array, targets: jax.Array, z_loss: float = 0.0):
-  """Mean next-token cross entropy (nats) and z-loss over ``[B, T]`` targets.
-
-  Returns ``(total, ce, z)`` where ``total = ce + z_loss * mean(logsumexp^2)``.
-  Differentiable in ``logits`` (all three outputs). The gradient is written
-  as one expression of the saved logits and log-sum-exps,
-  ``(p * (a + 2 b lse) - a * onehot) / N`` (``p`` the softmax, ``a`` and
-  ``b`` the cotangents reaching ``ce`` and ``z``), so that XLA makes it in
-  one pass, in the dtype its reader asks for: autodiff of the gather would
-  build two more float32 ``[B, T, V]`` arrays (a scatter of the one-hot and
-  the softmax product), 37 GiB at the 1b preset's 32k-token microbatch.
-  """
-  return _cross_entropy(logits.astype(jnp.float32), targets, float(z_loss))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _cross_entropy(logits, targets, z_loss):
-  return _cross_entropy_fwd(logits, targets, z_loss)[0]
-
-
-def _cross_entropy_fwd(logits, targets, z_loss):
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  target_logit = jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
-  ce = jnp.mean(lse - target_logit)
-  z = jnp.mean(lse**2)
-  return (ce + z_loss * z, ce, z), (logits, lse, targets)
-
-
-def _cross_entropy_bwd(z_loss, res, g):
-  logits, lse, targets = res
-  g_total, g_ce, g_z = g
-  a = (g_total + g_ce) / lse.size           # d/d(lse - target_logit), each
-  b = (z_loss * g_total + g_z) / lse.size   # d/d(lse^2), each
-  p = jnp.exp(logits - lse[..., None])
-  onehot = targets[..., None] == jnp.arange(logits.shape[-1], dtype=targets.dtype)
-  dlogits = p * (a + 2 * b * lse)[..., None] - jnp.where(onehot, a, 0.0)
-  return dlogits, None
-
-
-_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 # -- state ----------------------------------------------------------------------
@@ -215,6 +172,14 @@ def abstract_state(model_cfg: TransformerConfig, tx, shardings):
 
 # -- steps ------------------------------------------------------------------------
 
+def model_loss(model, batch, *, z_loss: float = 0.0, chunk_tokens: int):
+  """``(total, ce, z)`` of ``model`` on ``{"inputs", "targets"}`` ``[B, T]``:
+  :func:`mhar_jax.loss.lm_head_cross_entropy` of its final hidden states."""
+  return lm_head_cross_entropy(model.hidden_states(batch["inputs"]),
+                               model.head(), batch["targets"], z_loss=z_loss,
+                               chunk_tokens=chunk_tokens)
+
+
 def _microbatches(batch, accum: int):
   """``[B, T] -> [accum, B/accum, T]`` taking every ``accum``-th row, so each
   data shard keeps its own rows (no resharding)."""
@@ -232,12 +197,12 @@ def make_train_step(gdef: nnx.GraphDef, tx, t: ml_collections.ConfigDict,
   and optimiser state unchanged) and counts it; the host reads the counters
   when it logs, never every step.
   """
-  accum, z_coef = t.grad_accum, t.z_loss
+  accum = t.grad_accum
   schedule = lr_schedule(t)
 
   def loss_fn(params, batch):
-    logits = nnx.merge(gdef, params)(batch["inputs"])
-    total, ce, z = cross_entropy(logits, batch["targets"], z_coef)
+    total, ce, z = model_loss(nnx.merge(gdef, params), batch, z_loss=t.z_loss,
+                              chunk_tokens=t.loss_chunk_tokens)
     return total, (ce, z)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -281,12 +246,13 @@ def make_train_step(gdef: nnx.GraphDef, tx, t: ml_collections.ConfigDict,
                  out_shardings=(state_sh, None), donate_argnums=(0,))
 
 
-def make_eval_step(gdef: nnx.GraphDef, params_sh, batch_sh):
+def make_eval_step(gdef: nnx.GraphDef, params_sh, batch_sh,
+                   chunk_tokens: int = 4096):
   """Jitted ``(params, batch) -> mean cross entropy`` (nats per token)."""
   def step(params, batch):
     with core_spmd.logical_axis_rules(DEFAULT_RULES):
-      logits = nnx.merge(gdef, params)(batch["inputs"])
-      return cross_entropy(logits, batch["targets"])[1]
+      return model_loss(nnx.merge(gdef, params), batch,
+                        chunk_tokens=chunk_tokens)[1]
   return jax.jit(step, in_shardings=(params_sh, batch_sh))
 
 

@@ -307,6 +307,23 @@ class Transformer(nnx.Module):
                return_routing: bool = False):
     """Logits ``[B, T, V]`` (float32); with ``return_routing`` also the list of
     per-site routing weights ``[S_j, B, T, H]`` (routed schemes only)."""
+    out = self.hidden_states(tokens, positions, return_routing=return_routing)
+    x, routing = out if return_routing else (out, None)
+    logits = project_logits(x, self.head())
+    logits = constrain(logits, ("activation_batch", "activation_length",
+                                "activation_vocab"))
+    return (logits, routing) if return_routing else logits
+
+  def head(self) -> jax.Array:
+    """The LM head ``[V, D]`` in the compute dtype (the tied embedding, or
+    ``lm_head``); logits are ``hidden_states @ headᵀ``."""
+    w = self.embedding if self.cfg.tie_embeddings else self.lm_head
+    return w[...].astype(self.cfg.compute_dtype)
+
+  def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None,
+                    *, return_routing: bool = False):
+    """The LM head's input ``[B, T, D]`` (after the final norm, compute dtype);
+    with ``return_routing`` also the routing weights (see ``__call__``)."""
     cfg = self.cfg
     b, t = tokens.shape
     if positions is None:
@@ -334,13 +351,8 @@ class Transformer(nnx.Module):
     else:
       x = self._routed(h, subs, call, positions, routing, return_routing)
 
-    x = self.final_norm(x)
-    head = (emb if cfg.tie_embeddings
-            else self.lm_head[...].astype(cfg.compute_dtype))
-    logits = project_logits(x, head)
-    logits = constrain(logits, ("activation_batch", "activation_length",
-                                "activation_vocab"))
-    return (logits, routing) if return_routing else logits
+    x = constrain(self.final_norm(x).astype(cfg.compute_dtype), BTD)
+    return (x, routing) if return_routing else x
 
   def _routed(self, h, subs, call, positions, routing, record):
     """AttnRes / MHAR, full or block: route before every sublayer and at the end."""
