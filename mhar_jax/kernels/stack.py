@@ -277,11 +277,17 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
   # Groups routed on tensor cores read the finished sources from one buffer
   # (rows in ``done``'s order), filled in place as they appear; it is what
   # the backward gets (the list's arrays then die as the forward moves on).
+  # Saved, the buffer has one spare row (the backward writes the sites'
+  # cotangents into it, one row above the source each replaces). Built for
+  # the backward alone with explicit buffers and groups (the jnp path's test
+  # of that bookkeeping).
   on_tc = {a for a, b in group_end.items()
            if _tensor_core_group(plan, b - a, h.shape[-1])}
+  keep = not recompute and plan.full and (
+      bool(on_tc) or (plan.use_buffers and plan.site_group >= 2))
   buf = None
-  if on_tc:
-    buf = jnp.zeros((sum(ends) + 1, *h.shape), h.dtype).at[0].set(h)
+  if on_tc or keep:
+    buf = jnp.zeros((sum(ends) + 1 + keep, *h.shape), h.dtype).at[0].set(h)
 
   def route_site(j):
     """Site j's output and log-sum-exp (two-phase within its group)."""
@@ -341,13 +347,13 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
   x, lse = route_site(len(params))
   xs.append(x)
   lses.append(lse)
-  # Save the finished sources once: as the buffer when there is one (its
-  # rows are ``done``'s, indexed alike by the backward), else as the list;
-  # or only s_0, the rest being recomputed from ``us``.
+  # Save the finished sources once: as the buffer when kept (its rows are
+  # ``done``'s, indexed alike by the backward), else as the list; or only
+  # s_0, the rest being recomputed from ``us``.
   if recompute:
     return x, ([h], done_r, partials, partial_r, xs, lses, vjps, t, us)
-  return x, (done if buf is None else buf, done_r, partials, partial_r, xs,
-             lses, vjps, t, None)
+  return x, (buf if keep else done, done_r, partials, partial_r, xs, lses,
+             vjps, t, None)
 
 
 def _sublayer(apply, project, j, consts, p, x):
@@ -474,15 +480,25 @@ def _stack_bwd(fns, plan, res, g):
   def dot_heads(a, b):
     return jnp.einsum("...hc,...hc->...h", _heads(a, h), _heads(b, h))
 
+  # With the sources saved as a buffer (rows 0 .. n and a spare one), site
+  # k's cotangent goes to row k + 1 of that same buffer (``off``): it is
+  # written when source k + 1 has its gradient, and nothing reads that
+  # source after. One buffer then holds the sources still to come below and
+  # the sites' cotangents above, instead of a second buffer as large.
+  shared = not isinstance(done, list)
+  off = int(shared)
   if plan.use_buffers:
     # Whole-stack buffers, filled from the top as the sites' cotangents
-    # appear; each is updated in place (its only reader, the per-source
-    # call, runs before the update that depends on its result).
-    dX = jnp.zeros((n + 1, *g.shape), done[0].dtype).at[n].set(
-        g.astype(done[0].dtype))
-    xd = jnp.zeros((n + 1, *g.shape[:-1], h), jnp.float32).at[n].set(
-        dot_heads(g, xs[n]))
-    lse = jnp.stack(lses)
+    # appear; each is updated in place (its readers, the per-source calls,
+    # run before the update that depends on their result). Site k is row
+    # k + off of each; ``rows_t`` is ``tt`` so indexed.
+    dtype = done[0].dtype
+    dX = (done if shared else jnp.zeros((n + 1, *g.shape), dtype)).at[
+        n + off].set(g.astype(dtype))
+    xd = jnp.zeros((n + 1 + off, *g.shape[:-1], h), jnp.float32).at[
+        n + off].set(dot_heads(g, xs[n]))
+    lse = jnp.stack([jnp.zeros_like(lses[0])] * off + lses)
+    rows_t = jnp.pad(tt, ((off, 0), (0, 0)))
   else:
     dxs, xds = [None] * (n + 1), [None] * (n + 1)
     dxs[n], xds[n] = g, dot_heads(g, xs[n])
@@ -493,7 +509,7 @@ def _stack_bwd(fns, plan, res, g):
   # whole group at once on tensor cores, and each source then adds its sites
   # i .. b-1 on its own.
   group_of, share = {}, None     # share: (a, acc, coef) of the last group
-  if (us is not None or not isinstance(done, list)) and plan.site_group >= 2:
+  if (us is not None or shared) and plan.site_group >= 2:
     for b in range(n + 1, 0, -plan.site_group):
       a = max(0, b - plan.site_group)
       if b <= n and _tensor_core_group(plan, b - a, g.shape[-1]):
@@ -509,6 +525,8 @@ def _stack_bwd(fns, plan, res, g):
   def source(k):
     """Finished source ``k`` (``done``'s index; recomputed: sublayer k-1's
     output)."""
+    if shared:
+      return dX[k]       # not yet overwritten: k <= the next cotangent's row
     if us is None or k == 0:
       return done[k]
     if k not in projected:
@@ -529,26 +547,36 @@ def _stack_bwd(fns, plan, res, g):
       a, b = group_of[i]
       if share is None or share[0] != a:
         from mhar_jax.kernels import triton_stack
-        rows, a0 = ((done, a) if us is None else
+        rows, a0 = ((dX, a) if shared else
                     (jnp.stack([source(k) for k in range(a, b)]), 0))
         acc, coef, dtp = triton_stack.sources_partial(
-            rows, a0, b - a, jnp.stack(done_r[a:b]), dX, tt, lse, xd, b,
-            n + 1 - b, h, plan.mesh, plan.batch_axes)
+            rows, a0, b - a, jnp.stack(done_r[a:b]), dX, rows_t, lse, xd,
+            b + off, n + 1 - b, h, plan.mesh, plan.batch_axes)
+        acc, coef, dtp = settled((acc, coef, dtp))
         dt = dt.at[b:].add(dtp)
         share = (a, acc, coef)
       init, m = (share[1][i - a], share[2][i - a]), b - i
     if plan.use_buffers and plan.impl == "triton":
       from mhar_jax.kernels import triton_stack
-      ds, dti = triton_stack.source_grad(s, r, dX, tt, lse, xd, i, h,
-                                         plan.mesh, plan.batch_axes, m=m,
+      ds, dti = triton_stack.source_grad(s, r, dX, rows_t, lse, xd, i + off,
+                                         h, plan.mesh, plan.batch_axes, m=m,
                                          init=init)
     elif plan.use_buffers:
-      ds, dti = source_grad(s, r, dX, tt, lse, xd, i, h, m, init)
+      ds, dti = source_grad(s, r, dX, rows_t, lse, xd, i + off, h, m, init)
     else:
       ds, dti = _source_grad_lists(s, r, dxs[i:i + m], xds[i:i + m],
                                    tt[i:i + m], lses[i:i + m], h)
+    ds, dti = settled((ds, dti))
     dt = dt.at[i:i + m].add(dti)
     return ds
+
+  def settled(outs):
+    """``outs`` through an optimization barrier when the sources share the
+    buffer the cotangents are written to: a query-gain gradient (read only
+    at the end) is then computed with the source gradient the next write
+    waits for, not later from rows that write has replaced (which would
+    make XLA copy the buffer)."""
+    return jax.lax.optimization_barrier(outs) if shared else outs
 
   # Walk the sublayers down. ``dy`` is the gradient of sublayer j's output:
   # its block sum's gradient (read by every site after the block) plus those
@@ -567,8 +595,8 @@ def _stack_bwd(fns, plan, res, g):
     else:
       dparams[j], dx = vjps[j](dy)
     if plan.use_buffers:
-      dX = dX.at[j].set(dx.astype(dX.dtype))
-      xd = xd.at[j].set(dot_heads(dx, xs[j]))
+      dX = dX.at[j + off].set(dx.astype(dX.dtype))
+      xd = xd.at[j + off].set(dot_heads(dx, xs[j]))
     else:
       dxs[j], xds[j] = dx, dot_heads(dx, xs[j])
     if partials[j] is not None:
