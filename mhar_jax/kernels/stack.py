@@ -32,7 +32,12 @@ full method.
 
 Memory: the residuals are the sources, the sites' outputs (which the
 sublayers save anyway), ``[.., H]`` statistics per site and each sublayer's
-own autodiff residuals: the same as differentiating the loop. With
+own autodiff residuals: the same as differentiating the loop. The sites'
+cotangents, which the backward keeps from the top down, go into the buffer
+of the saved sources (full method with site groups) or partial sums
+(blocks) when there is one, each into the row of the source or partial sum
+that the backward has just finished with, so the backward adds no
+whole-stack buffer of its own. With
 ``project`` (full method), the sources are not kept: each is recomputed from
 the input of the sublayer's output projection, which that projection's
 gradient keeps anyway, when the backward reaches it.
