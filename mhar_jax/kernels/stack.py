@@ -617,7 +617,7 @@ def _stack_bwd(fns, plan, res, g):
       xd = xd.at[j + off].set(dot_heads(dx, xs[j]))
     else:
       dxs[j], xds[j] = dx, dot_heads(dx, xs[j])
-    if partial_r[j] is not None:     # row j: site j's partial sum, still
+    if partial_r[j] is not None:     # (dX's row j: still this partial sum)
       dy = dy + _grad_of(dX[j] if shared_partials else partials[j],
                          partial_r[j], j, 1)
   dh = grad_of(0, 0, n + 1)
