@@ -34,10 +34,13 @@ Memory: the residuals are the sources, the sites' outputs (which the
 sublayers save anyway), ``[.., H]`` statistics per site and each sublayer's
 own autodiff residuals: the same as differentiating the loop. The sites'
 cotangents, which the backward keeps from the top down, go into the buffer
-of the saved sources (full method with site groups) or partial sums
-(blocks) when there is one, each into the row of the source or partial sum
-that the backward has just finished with, so the backward adds no
-whole-stack buffer of its own. With
+of the saved sources when there is one (full method with site groups), each
+into the row of the source the backward has just finished with, so the
+backward adds no whole-stack buffer of its own. (Blocks keep their partial
+sums as a list and the cotangents in a buffer of their own: one buffer
+shared the same way has rows for every site, which at 100m / 350m, whose
+peak is at the loss before the backward, cost more than it saved; RESULTS.md
+session 15.) With
 ``project`` (full method), the sources are not kept: each is recomputed from
 the input of the sublayer's output projection, which that projection's
 gradient keeps anyway, when the backward reaches it.
@@ -265,9 +268,7 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
   ``[len(done), ..., D]`` buffer when groups of sites route on tensor cores,
   ``[s_0]`` alone when the sources are recomputed), ``partials``/
   ``partial_r`` (per site: the partial sum it reads, or None; sites 0 ..
-  n-1, the final site reads none; ``partials`` as an ``[n + 2, ..., D]``
-  buffer, row j site j's, with explicit buffers and blocks), the sites'
-  outputs and log-sum-exps, the
+  n-1, the final site reads none), the sites' outputs and log-sum-exps, the
   sublayers' VJPs (of ``apply`` alone when recomputing), ``t = query *
   gain`` and the projections' inputs ``us`` (None unless recomputing)."""
   apply, project = fns
@@ -287,8 +288,7 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
   # Saved, the buffer has one spare row (the backward writes the sites'
   # cotangents into it, one row above the source each replaces). Built for
   # the backward alone with explicit buffers and groups (the jnp path's test
-  # of that bookkeeping). Blocks with buffers keep their partial sums in one
-  # the same way (row j: the partial sum site j reads).
+  # of that bookkeeping).
   on_tc = {a for a, b in group_end.items()
            if _tensor_core_group(plan, b - a, h.shape[-1])}
   keep = save and not recompute and plan.full and (
@@ -296,9 +296,6 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
   buf = None
   if on_tc or keep:
     buf = jnp.zeros((sum(ends) + 1 + keep, *h.shape), h.dtype).at[0].set(h)
-  pbuf = None
-  if save and plan.use_buffers and not plan.full:
-    pbuf = jnp.zeros((len(params) + 2, *h.shape), h.dtype)
 
   def route_site(j):
     """Site j's output and log-sum-exp (two-phase within its group)."""
@@ -331,8 +328,6 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
   for j, p in enumerate(params):
     if partial is not None:
       partials[j], partial_r[j] = partial, inv_rms(partial, plan.eps)
-      if pbuf is not None:
-        pbuf = pbuf.at[j].set(partial)
     x, lse = route_site(j)
     f = functools.partial(_sublayer, apply, None if recompute else project, j,
                           consts)
@@ -365,9 +360,8 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
   # s_0, the rest being recomputed from ``us``.
   if recompute:
     return x, ([h], done_r, partials, partial_r, xs, lses, vjps, t, us)
-  return x, (buf if keep else done, done_r,
-             partials if pbuf is None else pbuf, partial_r, xs, lses, vjps, t,
-             None)
+  return x, (buf if keep else done, done_r, partials, partial_r, xs, lses,
+             vjps, t, None)
 
 
 def _sublayer(apply, project, j, consts, p, x):
@@ -494,16 +488,12 @@ def _stack_bwd(fns, plan, res, g):
   def dot_heads(a, b):
     return jnp.einsum("...hc,...hc->...h", _heads(a, h), _heads(b, h))
 
-  # With the sources (full method) or the partial sums (blocks) saved as a
-  # buffer (row k source k / site k's partial sum, and a spare row), site
+  # With the sources saved as a buffer (rows 0 .. n and a spare one), site
   # k's cotangent goes to row k + 1 of that same buffer (``off``): it is
-  # written when source k + 1 (partial sum k + 1) has its gradient, and
-  # nothing reads that row after. One buffer then holds the rows still to
-  # come below and the sites' cotangents above, instead of a second buffer
-  # as large.
-  shared_sources = not isinstance(done, list)
-  shared_partials = not isinstance(partials, list)
-  shared = shared_sources or shared_partials
+  # written when source k + 1 has its gradient, and nothing reads that
+  # source after. One buffer then holds the sources still to come below and
+  # the sites' cotangents above, instead of a second buffer as large.
+  shared = not isinstance(done, list)
   off = int(shared)
   if plan.use_buffers:
     # Whole-stack buffers, filled from the top as the sites' cotangents
@@ -511,9 +501,8 @@ def _stack_bwd(fns, plan, res, g):
     # run before the update that depends on their result). Site k is row
     # k + off of each; ``rows_t`` is ``tt`` so indexed.
     dtype = done[0].dtype
-    dX = (done if shared_sources else partials if shared_partials
-          else jnp.zeros((n + 1, *g.shape), dtype)).at[n + off].set(
-              g.astype(dtype))
+    dX = (done if shared else jnp.zeros((n + 1, *g.shape), dtype)).at[
+        n + off].set(g.astype(dtype))
     xd = jnp.zeros((n + 1 + off, *g.shape[:-1], h), jnp.float32).at[
         n + off].set(dot_heads(g, xs[n]))
     lse = jnp.stack([jnp.zeros_like(lses[0])] * off + lses)
@@ -528,7 +517,7 @@ def _stack_bwd(fns, plan, res, g):
   # whole group at once on tensor cores, and each source then adds its sites
   # i .. b-1 on its own.
   group_of, share = {}, None     # share: (a, acc, coef) of the last group
-  if (us is not None or shared_sources) and plan.site_group >= 2:
+  if (us is not None or shared) and plan.site_group >= 2:
     for b in range(n + 1, 0, -plan.site_group):
       a = max(0, b - plan.site_group)
       if b <= n and _tensor_core_group(plan, b - a, g.shape[-1]):
@@ -544,7 +533,7 @@ def _stack_bwd(fns, plan, res, g):
   def source(k):
     """Finished source ``k`` (``done``'s index; recomputed: sublayer k-1's
     output)."""
-    if shared_sources:
+    if shared:
       return dX[k]       # not yet overwritten: k <= the next cotangent's row
     if us is None or k == 0:
       return done[k]
@@ -566,7 +555,7 @@ def _stack_bwd(fns, plan, res, g):
       a, b = group_of[i]
       if share is None or share[0] != a:
         from mhar_jax.kernels import triton_stack
-        rows, a0 = ((dX, a) if shared_sources else
+        rows, a0 = ((dX, a) if shared else
                     (jnp.stack([source(k) for k in range(a, b)]), 0))
         acc, coef, dtp = triton_stack.sources_partial(
             rows, a0, b - a, jnp.stack(done_r[a:b]), dX, rows_t, lse, xd,
@@ -590,11 +579,12 @@ def _stack_bwd(fns, plan, res, g):
     return ds
 
   def settled(outs):
-    """``outs`` through an optimization barrier when the cotangents are in a
-    buffer: a query-gain gradient (read only at the end) is then computed
-    with the source gradient the next write waits for, not later from a
-    buffer that write has replaced (XLA would keep a copy of it)."""
-    return jax.lax.optimization_barrier(outs) if plan.use_buffers else outs
+    """``outs`` through an optimization barrier when the sources share the
+    buffer the cotangents are written to: a query-gain gradient (read only
+    at the end) is then computed with the source gradient the next write
+    waits for, not later from rows that write has replaced (which would
+    make XLA copy the buffer)."""
+    return jax.lax.optimization_barrier(outs) if shared else outs
 
   # Walk the sublayers down. ``dy`` is the gradient of sublayer j's output:
   # its block sum's gradient (read by every site after the block) plus those
@@ -617,9 +607,8 @@ def _stack_bwd(fns, plan, res, g):
       xd = xd.at[j + off].set(dot_heads(dx, xs[j]))
     else:
       dxs[j], xds[j] = dx, dot_heads(dx, xs[j])
-    if partial_r[j] is not None:     # (dX's row j: still this partial sum)
-      dy = dy + _grad_of(dX[j] if shared_partials else partials[j],
-                         partial_r[j], j, 1)
+    if partials[j] is not None:
+      dy = dy + _grad_of(partials[j], partial_r[j], j, 1)
   dh = grad_of(0, 0, n + 1)
   # Site 0 reads s_0 alone: its query and gain have exactly zero gradient.
   # The formula leaves rounding noise there (<dx_0, s_0> - xd_0), which
