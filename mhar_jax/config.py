@@ -50,7 +50,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.decay = "matrices"      # "matrices" (ndim >= 2, no embedding) | "all" | "matrices+embedding"
   c.train.clip_norm = 1.0
   c.train.z_loss = 0.0
-  c.train.loss_chunk_tokens = 4096  # tokens per device per chunk of the LM head + loss
+  c.train.loss_chunk_tokens = 2048  # tokens per device per chunk of the LM head + loss
   c.train.nonfinite = "stop"      # "stop" | "skip"
   c.train.max_consecutive_skips = 10
 

@@ -43,7 +43,7 @@ class _Plan:
 
 
 def lm_head_cross_entropy(x: jax.Array, head: jax.Array, targets: jax.Array,
-                          *, z_loss: float = 0.0, chunk_tokens: int = 4096):
+                          *, z_loss: float = 0.0, chunk_tokens: int = 2048):
   """Mean cross entropy (nats) and z-loss of the logits ``x @ headᵀ``.
 
   Args:
