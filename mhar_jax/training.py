@@ -247,8 +247,9 @@ def make_train_step(gdef: nnx.GraphDef, tx, t: ml_collections.ConfigDict,
 
 
 def make_eval_step(gdef: nnx.GraphDef, params_sh, batch_sh,
-                   chunk_tokens: int = 2048):
-  """Jitted ``(params, batch) -> mean cross entropy`` (nats per token)."""
+                   chunk_tokens: int):
+  """Jitted ``(params, batch) -> mean cross entropy`` (nats per token);
+  ``chunk_tokens`` as ``train.loss_chunk_tokens``."""
   def step(params, batch):
     with core_spmd.logical_axis_rules(DEFAULT_RULES):
       return model_loss(nnx.merge(gdef, params), batch,
