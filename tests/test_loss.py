@@ -114,6 +114,8 @@ def test_ce_and_z_carry_no_gradient():
     (2, 4, 3, 37),    # neither divides: rows and vocabulary replicated
 ])
 def test_sharded_equals_unsharded(data, model, b, v):
+  if jax.default_backend() != "cpu" and len(jax.devices()) < 8:
+    pytest.skip("needs 8 devices (on the CPU, conftest forces them)")
   assert len(jax.devices()) >= 8, "conftest forces 8 CPU devices"
   x, head, targets = inputs(b, 12, 16, v, seed=2)
   mesh = make_mesh(data, model, jax.devices()[:8])
