@@ -15,6 +15,7 @@ import os
 import ml_collections
 
 from mhar_jax.layers import TransformerConfig
+from mhar_jax.loss import CHUNK_TOKENS
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -50,7 +51,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.decay = "matrices"      # "matrices" (ndim >= 2, no embedding) | "all" | "matrices+embedding"
   c.train.clip_norm = 1.0
   c.train.z_loss = 0.0
-  c.train.loss_chunk_tokens = 2048  # tokens per device per chunk of the LM head + loss
+  c.train.loss_chunk_tokens = CHUNK_TOKENS  # tokens per device per chunk of the LM head + loss
   c.train.nonfinite = "stop"      # "stop" | "skip"
   c.train.max_consecutive_skips = 10
 
