@@ -113,12 +113,14 @@ def test_triton_stack_kernel_inverse_rms(monkeypatch, dtype, lead, d, heads,
 
 @pytest.mark.parametrize("num_blocks,num_layers,recompute", [
     (0, 3, "none"), (2, 3, "none"), (0, 13, "none"), (0, 13, "attention"),
-    (0, 13, "all")])
+    (0, 13, "all"), (0, 24, "all")])
 def test_decoder_source_backward_on_gpu(num_blocks, num_layers, recompute):
   """The decoder's default source-major stack (Triton; 13 layers: 27 sites,
   so the default groups of 16 route on tensor cores forward, sites 0-14 and
   15-26, and backward, sources 0-10; with the attention sublayers' sources or
-  all of them recomputed) against the jnp site-by-site one."""
+  all of them recomputed, each group's cotangents in a buffer of its own; 24
+  layers: sources 1-16 and 0 take their share of two and three such
+  buffers) against the jnp site-by-site one."""
   from flax import nnx
 
   from mhar_jax import training
@@ -190,3 +192,51 @@ def test_group_kernels_match_reference(dtype, d, heads, gv, m):
   for a, b in zip(got, want):
     assert a.shape == b.shape
     assert rel(a, b) <= tol, rel(a, b)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("d,heads,gv,m1,m2", [(1280, 8, 16, 16, 16),
+                                              (1024, 8, 1, 5, 16)])
+def test_group_kernels_split_cotangents(dtype, d, heads, gv, m1, m2):
+  """The sites' cotangents in two buffers at row offsets (the backward with
+  recomputed sources): G sources' share of both, the second call continuing
+  the first's (acc, coef) in place, and a source's gradient from one
+  buffer's rows, against the jnp references on one whole buffer; outputs
+  poisoned first."""
+  from mhar_jax.kernels import reference, stack, triton_route, triton_stack
+  n_tok, j = 1000, 3
+  rows = j + m1 + m2
+  ks = jax.random.split(jax.random.key(d + gv), 5)
+  S = (jax.random.normal(ks[0], (gv, n_tok, d)) * 1.3).astype(dtype)
+  r = reference.inv_rms(S, 1e-6)
+  t = 0.5 * jax.random.normal(ks[1], (rows, d)) / np.sqrt(d / heads)
+  dX = jax.random.normal(ks[2], (rows, n_tok, d)).astype(dtype)
+  u = jnp.einsum("gnhc,khc->gknh",
+                 S.astype(jnp.float32).reshape(gv, n_tok, heads, -1),
+                 t.reshape(rows, heads, -1))
+  lse = (r[:, None, :, None] * u).max(0) + 0.5          # w <= 1, as a site's
+  xd = jax.random.normal(ks[3], (rows, n_tok, heads))
+  lower = jnp.concatenate([dX[:1], dX[j:j + m1]])       # site j in row 1
+  upper = dX[j + m1:]                                  # site j + m1 in row 0
+  with jax.default_matmul_precision("highest"):
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = stack.sources_partial(f32(S), r, f32(dX), t, lse, xd, j, m1 + m2,
+                                 heads)
+    want_ds = stack.source_grad(f32(S[0]), r[0], f32(dX), t, lse, xd, j,
+                                heads, m1)
+
+  def split(S, r, lower, upper, t, lse, xd):
+    a = triton_stack.sources_partial_local(S, 0, gv, r, lower, t, lse, xd, j,
+                                           m1, heads, dx_row=1)
+    b = triton_stack.sources_partial_local(S, 0, gv, r, upper, t, lse, xd,
+                                           j + m1, m2, heads, init=a[:2],
+                                           dx_row=0)
+    ds = triton_stack.source_grad_local(S[0], r[0], lower, t, lse, xd, j,
+                                        heads, m1, dx_row=1)
+    return (b[0], b[1], jnp.concatenate([a[2], b[2]])), ds
+
+  with triton_route.poison_outputs():
+    got, ds = jax.jit(split)(S, r, lower, upper, t, lse, xd)
+  for a, b in [*zip(got, want), *zip(ds, want_ds)]:
+    assert a.shape == b.shape
+    assert rel(a, b) <= TOL[dtype], rel(a, b)

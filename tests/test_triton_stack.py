@@ -116,6 +116,43 @@ def test_sources_partial_matches_reference(kernel_module, n_tok, d, h, rows,
                                  atol=1e-5 * float(jnp.abs(full).max()))
 
 
+@pytest.mark.parametrize("n_tok,d,h,gv,m1,m2", [
+    (5, 320, 2, 3, 4, 16),   # C = 128 + 32; a ragged span, then a whole block
+    (3, 64, 4, 1, 16, 5)])   # one source (a depth's last group)
+def test_cotangents_split_over_buffers(kernel_module, n_tok, d, h, gv, m1,
+                                       m2):
+  """The sites' cotangents held in two buffers at row offsets: the share of
+  both (``sources_partial_local`` on the first, continued in place on the
+  second) and a source's gradient from one (``source_grad_local``,
+  ``dx_row``) against the reference on one whole-stack buffer."""
+  ts = kernel_module
+  rng = np.random.default_rng(gv + m1)
+  rows, j = 2 + m1 + m2, 2
+  S = rng.normal(size=(gv, n_tok, d)).astype(np.float32)
+  r, dX, t, lse, xd = _site_buffers(rng, S, h, rows)
+  S, r = jnp.asarray(S), jnp.asarray(r)
+  lower = jnp.concatenate([dX[:1], dX[j:j + m1]])          # site j in row 1
+  upper = dX[j + m1:]                                     # site j+m1 in row 0
+  want = stack.sources_partial(S, r, dX, t, lse, xd, j, m1 + m2, h)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(ts.tr, "_launch", interpreted_launch)
+    a = ts.sources_partial_local(S, 0, gv, r, lower, t, lse, xd, j, m1, h,
+                                 dx_row=1)
+    b = ts.sources_partial_local(S, 0, gv, r, upper, t, lse, xd, j + m1, m2,
+                                 h, init=a[:2], dx_row=0)
+    ds, dt = ts.source_grad_local(S[0], r[0], lower, t, lse, xd, j, h, m1,
+                                  dx_row=1)
+  got = (b[0], b[1], jnp.concatenate([a[2], b[2]]))
+  for x, y in zip(got, want):
+    assert x.shape == y.shape
+    np.testing.assert_allclose(x, y, rtol=0, atol=1e-5 * float(jnp.abs(y).max()))
+  ds_ref, dt_ref = stack.source_grad(S[0], r[0], dX, t, lse, xd, j, h, m1)
+  np.testing.assert_allclose(ds, ds_ref, rtol=0,
+                             atol=1e-5 * float(jnp.abs(ds_ref).max()))
+  np.testing.assert_allclose(dt, dt_ref, rtol=0,
+                             atol=1e-5 * float(jnp.abs(dt_ref).max()))
+
+
 def _sublayer(j, p, x, consts):
   return jnp.tanh(x @ p["w"] + p["b"]) * (1.0 + 0.1 * j)
 
@@ -131,6 +168,7 @@ def _project(j, p, u):
     (5, None, True, 3, 1, None),        # backward: [3, 6) has no site above
     (5, None, True, 3, 1, _project),    # ... its sources recomputed
     (5, (0, 0, 1, 1, 1), True, 2, 0, None),
+    (8, None, True, 3, 3, _project),    # [0, 3) under [3, 6) and [6, 9)
     # sites 0-14, 15-30 (16 sources), 31-33 (32): whole source blocks;
     # backward [2, 18) and [0, 2) under 16 and 32 sites: whole site blocks
     (33, None, True, 16, 2, None)])
@@ -250,12 +288,15 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project):
     return stack._sites([x[i] for i in range(s)], t.reshape(t.shape[0], h, -1),
                         list(r), ref)
 
-  def sources_partial_local(S, i0, gv, r, dX, t, lse, xd, j, m, heads):
+  def sources_partial_local(S, i0, gv, r, dX, t, lse, xd, j, m, heads,
+                            init=None, dx_row=None):
     calls.append("sources")
-    return stack.sources_partial(S[i0:i0 + gv], r, dX, t, lse, xd, j, m, h)
+    return stack.sources_partial(S[i0:i0 + gv], r, dX, t, lse, xd, j, m, h,
+                                 init, dx_row)
 
-  def source_grad_local(s, r, dX, t, lse, xd, i, heads, m=None, init=None):
-    return stack.source_grad(s, r, dX, t, lse, xd, i, h, m, init)
+  def source_grad_local(s, r, dX, t, lse, xd, i, heads, m=None, init=None,
+                        dx_row=None):
+    return stack.source_grad(s, r, dX, t, lse, xd, i, h, m, init, dx_row)
 
   monkeypatch.setattr(tr, "_fwd_local", jnp_fwd_local(h, 1e-6))
   monkeypatch.setattr(ts, "sites_local", sites_local)
@@ -280,7 +321,9 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project):
   got = run(stack._Plan(h, 1e-6, "triton", site_group=4, mesh=mesh,
                         batch_axes=("data",)))
   # forward groups (0, 3), (3, 7), (7, 10); backward groups [2, 6), [0, 2)
-  assert calls == ["sites"] * 3 + ["sources"] * 2, calls
+  # under [6, 10); recomputed sources: each group's cotangents apart, so
+  # [0, 2) takes its share of [2, 6) and [6, 10) in two calls
+  assert calls == ["sites"] * 3 + ["sources"] * (2 + bool(project)), calls
   want = run(stack._Plan(h, 1e-6, "reference"))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=2e-5,

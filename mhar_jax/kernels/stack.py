@@ -43,7 +43,11 @@ peak is at the loss before the backward, cost more than it saved; RESULTS.md
 session 15.) With
 ``project`` (full method), the sources are not kept: each is recomputed from
 the input of the sublayer's output projection, which that projection's
-gradient keeps anyway, when the backward reaches it.
+gradient keeps anyway, when the backward reaches it; with site groups the
+cotangents then go into one buffer per group of sites, made when the group's
+first cotangent appears, so that they grow as the sublayers' residuals die
+(a group's share of the sites above it is summed over those buffers in
+turn).
 """
 
 from __future__ import annotations
@@ -383,15 +387,16 @@ def _stack_fwd(h, params, queries, gains, consts, fns, plan):
 
 
 def source_grad(s, r, dX, t, lse, xd, i: int, num_heads: int,
-                m: int | None = None, init=None):
+                m: int | None = None, init=None, dx_row: int | None = None):
   """The gradient of a source from the sites ``i .. i+m-1`` that read it.
 
-  ``s [..., D]``, ``r [...]``; whole-stack buffers ``dX [R, ..., D]`` (site
-  cotangents), ``t [R, D]`` (query * gain), ``lse``/``xd [R, ..., H]`` (the
-  sites' log-sum-exp and ``<dx_j, x_j>`` per head), read from row ``i``;
-  ``m`` rows (default: to the end, ``R - i``). ``init``: None, or the
-  contribution of later sites, ``(acc [..., D], coef [..., H])`` from
-  :func:`sources_partial`, which this continues.
+  ``s [..., D]``, ``r [...]``; whole-stack buffers ``t [R, D]`` (query *
+  gain), ``lse``/``xd [R, ..., H]`` (the sites' log-sum-exp and ``<dx_j,
+  x_j>`` per head), read from row ``i``, ``m`` rows (default: to the end,
+  ``R - i``); ``dX [R', ..., D]`` the sites' cotangents, read from row
+  ``dx_row`` (default ``i``). ``init``: None, or the contribution of later
+  sites, ``(acc [..., D], coef [..., H])`` from :func:`sources_partial`,
+  which this continues.
   Returns ``(ds [..., D]`` in ``s``'s dtype, ``dt [m, D]`` float32: this
   source's share of those sites' query-gain gradient). The jnp reference of
   :func:`mhar_jax.kernels.triton_stack.source_grad`. It reads the buffers as
@@ -401,10 +406,11 @@ def source_grad(s, r, dX, t, lse, xd, i: int, num_heads: int,
   materialise a float32 copy of the slice.
   """
   d = s.shape[-1]
-  m = dX.shape[0] - i if m is None else m
+  m = t.shape[0] - i if m is None else m
+  x0 = i if dx_row is None else dx_row
   sh = _heads(s, num_heads)                        # [..., H, C]
   r = r.astype(jnp.float32)[None, ..., None]       # [1, ..., 1]
-  dx = _heads(dX[i:i + m], num_heads)              # [m, ..., H, C]
+  dx = _heads(dX[x0:x0 + m], num_heads)            # [m, ..., H, C]
   tm = t[i:i + m].reshape(m, num_heads, -1)
   tb = tm.reshape(m, *([1] * (s.ndim - 1)), *tm.shape[1:])
   u = jnp.sum(sh[None] * tb, axis=-1)              # [m, ..., H]
@@ -422,11 +428,14 @@ def source_grad(s, r, dX, t, lse, xd, i: int, num_heads: int,
   return ds.reshape(s.shape).astype(s.dtype), dt.reshape(m, d)
 
 
-def sources_partial(S, r, dX, t, lse, xd, j: int, m: int, num_heads: int):
+def sources_partial(S, r, dX, t, lse, xd, j: int, m: int, num_heads: int,
+                    init=None, dx_row: int | None = None):
   """The share of the sites ``j .. j+m-1`` in the gradients of G sources.
 
   ``S [G, ..., D]`` (sources all read by those sites), ``r [G, ...]``; the
-  whole-stack buffers as in :func:`source_grad`, rows ``j .. j+m-1``.
+  buffers as in :func:`source_grad`: rows ``j .. j+m-1`` of ``t``, ``lse``,
+  ``xd``, and of ``dX`` from row ``dx_row`` (default ``j``). ``init``: None,
+  or ``(acc, coef)`` returned here for other sites, which this continues.
   Returns ``(acc [G, ..., D]`` in ``S``'s dtype: ``sum_k w dx_k + dlogit r
   t_k``, ``coef [G, ..., H]`` float32: ``sum_k dlogit logit``, ``dt [m, D]``
   float32: the sources' share of those sites' query-gain gradient), which
@@ -434,9 +443,10 @@ def sources_partial(S, r, dX, t, lse, xd, j: int, m: int, num_heads: int):
   reference of :func:`mhar_jax.kernels.triton_stack.sources_partial`.
   """
   d = S.shape[-1]
+  x0 = j if dx_row is None else dx_row
   sh = _heads(S, num_heads).astype(jnp.float32)      # [G, ..., H, C]
   rr = r.astype(jnp.float32)[..., None]              # [G, ..., 1]
-  dx = _heads(dX[j:j + m], num_heads).astype(jnp.float32)   # [m, ..., H, C]
+  dx = _heads(dX[x0:x0 + m], num_heads).astype(jnp.float32)  # [m, ..., H, C]
   tm = t[j:j + m].reshape(m, num_heads, -1)
   u = jnp.einsum("g...hc,mhc->gm...h", sh, tm)
   logit = rr[:, None] * u                             # [G, m, ..., H]
@@ -447,6 +457,9 @@ def sources_partial(S, r, dX, t, lse, xd, j: int, m: int, num_heads: int):
   acc = (jnp.einsum("gm...h,m...hc->g...hc", w, dx)
          + jnp.einsum("gm...h,mhc->g...hc", dlr, tm))
   coef = jnp.sum(dlogit * logit, axis=1)
+  if init is not None:
+    acc = acc + _heads(init[0].astype(jnp.float32), num_heads)
+    coef = coef + init[1]
   dt = jnp.einsum("gm...h,g...hc->mhc", dlr, sh)
   return (acc.reshape(S.shape).astype(S.dtype), coef,
           dt.reshape(m, d))
@@ -488,21 +501,39 @@ def _stack_bwd(fns, plan, res, g):
   def dot_heads(a, b):
     return jnp.einsum("...hc,...hc->...h", _heads(a, h), _heads(b, h))
 
-  # With the sources saved as a buffer (rows 0 .. n and a spare one), site
-  # k's cotangent goes to row k + 1 of that same buffer (``off``): it is
-  # written when source k + 1 has its gradient, and nothing reads that
-  # source after. One buffer then holds the sources still to come below and
-  # the sites' cotangents above, instead of a second buffer as large.
+  # The backward takes the full method's sources in groups [a, b) from the
+  # top when the forward's groups route on tensor cores (or, on the jnp path,
+  # with explicit buffers: the test of this bookkeeping): the share of the
+  # sites b .. n in their gradients is computed first, for the whole group
+  # at once, and each source then adds its sites i .. b-1 on its own.
+  grouped = plan.full and plan.site_group >= 2 and (
+      _tensor_core_group(plan, plan.site_group, g.shape[-1])
+      or (plan.impl == "reference" and plan.use_buffers))
+  groups = ([(max(0, b - plan.site_group), b)
+             for b in range(n + 1, 0, -plan.site_group)] if grouped else [])
+  group_of = {i: (a, b) for a, b in groups if b <= n for i in range(a, b)}
+  share = None                   # (a, acc, coef) of the last group
+
+  # The sites' cotangents, filled from the top. With the sources saved as a
+  # buffer (rows 0 .. n and a spare one), site k's goes to row k + 1 of that
+  # same buffer (``off``): it is written when source k + 1 has its
+  # gradient, and nothing reads that source after; one buffer then holds the
+  # sources still to come below and the cotangents above. With the sources
+  # recomputed and taken in groups, each group's sites have a buffer of
+  # their own (``spans``), made when the first of them has its cotangent:
+  # the cotangents grow as the sublayers' residuals die, instead of one
+  # whole-stack buffer made at the backward's start. Otherwise one buffer.
   shared = not isinstance(done, list)
   off = int(shared)
+  spans = groups if grouped and us is not None else [(0, n + 1)]
+  span_of = {k: ab for ab in spans for k in range(*ab)}
   if plan.use_buffers:
-    # Whole-stack buffers, filled from the top as the sites' cotangents
-    # appear; each is updated in place (its readers, the per-source calls,
+    # The buffers are updated in place (their readers, the per-source calls,
     # run before the update that depends on their result). Site k is row
-    # k + off of each; ``rows_t`` is ``tt`` so indexed.
+    # k + off of the whole-stack statistics and of ``rows_t`` (``tt`` so
+    # indexed), and row k - a + off of its span [a, b)'s cotangents.
     dtype = done[0].dtype
-    dX = (done if shared else jnp.zeros((n + 1, *g.shape), dtype)).at[
-        n + off].set(g.astype(dtype))
+    cots = {0: done} if shared else {}
     xd = jnp.zeros((n + 1 + off, *g.shape[:-1], h), jnp.float32).at[
         n + off].set(dot_heads(g, xs[n]))
     lse = jnp.stack([jnp.zeros_like(lses[0])] * off + lses)
@@ -511,17 +542,21 @@ def _stack_bwd(fns, plan, res, g):
     dxs, xds = [None] * (n + 1), [None] * (n + 1)
     dxs[n], xds[n] = g, dot_heads(g, xs[n])
 
-  # With the sources in a buffer (the forward routed groups on tensor
-  # cores), the full method's sources go in groups [a, b) from the top: the
-  # share of the sites b .. n in their gradients is computed first, for the
-  # whole group at once on tensor cores, and each source then adds its sites
-  # i .. b-1 on its own.
-  group_of, share = {}, None     # share: (a, acc, coef) of the last group
-  if (us is not None or shared) and plan.site_group >= 2:
-    for b in range(n + 1, 0, -plan.site_group):
-      a = max(0, b - plan.site_group)
-      if b <= n and _tensor_core_group(plan, b - a, g.shape[-1]):
-        group_of.update({i: (a, b) for i in range(a, b)})
+  def put(k, dx):
+    """Site ``k``'s cotangent into its span's buffer (made if new)."""
+    a, b = span_of[k]
+    if a not in cots:
+      cots[a] = jnp.zeros((b - a, *g.shape), dtype)
+    cots[a] = cots[a].at[k - a + off].set(dx.astype(dtype))
+
+  def cotangents(lo, hi):
+    """``(buffer, first site, sites, the first's row)`` of each span holding
+    some of the sites ``lo .. hi-1``."""
+    return [(cots[a], max(a, lo), min(b, hi) - max(a, lo),
+             max(a, lo) - a + off) for a, b in spans if a < hi and b > lo]
+
+  if plan.use_buffers:
+    put(n, g)
 
   # Recomputing: source i + 1 and the VJP of its projection, from when the
   # backward first needs it until sublayer i's gradient is taken. Its inputs
@@ -534,7 +569,7 @@ def _stack_bwd(fns, plan, res, g):
     """Finished source ``k`` (``done``'s index; recomputed: sublayer k-1's
     output)."""
     if shared:
-      return dX[k]       # not yet overwritten: k <= the next cotangent's row
+      return cots[0][k]  # not yet overwritten: k <= the next cotangent's row
     if us is None or k == 0:
       return done[k]
     if k not in projected:
@@ -550,27 +585,38 @@ def _stack_bwd(fns, plan, res, g):
     """Gradient of source ``s`` read by sites ``i .. i+m-1``; adds its share
     of those sites' query-gain gradient to ``dt``."""
     nonlocal dt, share
+    if plan.impl == "triton":
+      from mhar_jax.kernels import triton_stack
     init = None
     if i in group_of:
       a, b = group_of[i]
       if share is None or share[0] != a:
-        from mhar_jax.kernels import triton_stack
-        rows, a0 = ((dX, a) if shared else
+        rows, a0 = ((cots[0], a) if shared else
                     (jnp.stack([source(k) for k in range(a, b)]), 0))
-        acc, coef, dtp = triton_stack.sources_partial(
-            rows, a0, b - a, jnp.stack(done_r[a:b]), dX, rows_t, lse, xd,
-            b + off, n + 1 - b, h, plan.mesh, plan.batch_axes)
-        acc, coef, dtp = settled((acc, coef, dtp))
-        dt = dt.at[b:].add(dtp)
-        share = (a, acc, coef)
+        r_ab = jnp.stack(done_r[a:b])
+        part = None
+        for buf, lo, rows_m, row in cotangents(b, n + 1):
+          if plan.impl == "triton":
+            part = triton_stack.sources_partial(
+                rows, a0, b - a, r_ab, buf, rows_t, lse, xd, lo + off, rows_m,
+                h, plan.mesh, plan.batch_axes, init=part, dx_row=row)
+          else:
+            part = sources_partial(rows[a0:a0 + b - a], r_ab, buf, rows_t,
+                                   lse, xd, lo + off, rows_m, h, init=part,
+                                   dx_row=row)
+          *part, dtp = settled(part)
+          dt = dt.at[lo:lo + rows_m].add(dtp)
+        share = (a, *part)
       init, m = (share[1][i - a], share[2][i - a]), b - i
-    if plan.use_buffers and plan.impl == "triton":
-      from mhar_jax.kernels import triton_stack
-      ds, dti = triton_stack.source_grad(s, r, dX, rows_t, lse, xd, i + off,
-                                         h, plan.mesh, plan.batch_axes, m=m,
-                                         init=init)
-    elif plan.use_buffers:
-      ds, dti = source_grad(s, r, dX, rows_t, lse, xd, i + off, h, m, init)
+    if plan.use_buffers:
+      (buf, _, _, row), = cotangents(i, i + m)   # one span: m from its top
+      if plan.impl == "triton":
+        ds, dti = triton_stack.source_grad(
+            s, r, buf, rows_t, lse, xd, i + off, h, plan.mesh,
+            plan.batch_axes, m=m, init=init, dx_row=row)
+      else:
+        ds, dti = source_grad(s, r, buf, rows_t, lse, xd, i + off, h, m, init,
+                              row)
     else:
       ds, dti = _source_grad_lists(s, r, dxs[i:i + m], xds[i:i + m],
                                    tt[i:i + m], lses[i:i + m], h)
@@ -603,7 +649,7 @@ def _stack_bwd(fns, plan, res, g):
     else:
       dparams[j], dx = vjps[j](dy)
     if plan.use_buffers:
-      dX = dX.at[j + off].set(dx.astype(dX.dtype))
+      put(j, dx)
       xd = xd.at[j + off].set(dot_heads(dx, xs[j]))
     else:
       dxs[j], xds[j] = dx, dot_heads(dx, xs[j])

@@ -61,16 +61,18 @@ TUNING: dict = {"elems_per_thread": 24, "warps": 4, "stages": 3}
 
 @triton.jit
 def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
-                       coef_ptr, ds_init, dlr_init, I, M, N, ds_ptr, dlr_ptr,
+                       coef_ptr, ds_init, dlr_init, I, IX, M, N, ds_ptr,
+                       dlr_ptr,
                        D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                        HP: tl.constexpr, CA: tl.constexpr, CB: tl.constexpr,
                        BN: tl.constexpr, STAGES: tl.constexpr,
                        INIT: tl.constexpr):
   """One token tile of the gradient of one source from all its readers.
 
-  ``s_ptr [N, D]`` (source dtype), ``r_ptr [N]`` fp32, ``dx_ptr [R, N, D]``
-  (site cotangents), ``t_ptr [R, D]`` fp32, ``lse_ptr``/``xd_ptr [R, N, H]``
-  fp32, rows ``I .. I+M-1`` used. INIT: the sums include the share of
+  ``s_ptr [N, D]`` (source dtype), ``r_ptr [N]`` fp32, ``t_ptr [R, D]``
+  fp32, ``lse_ptr``/``xd_ptr [R, N, H]`` fp32, rows ``I .. I+M-1`` used;
+  ``dx_ptr [R', N, D]`` the site cotangents, site ``I + k`` in row ``IX +
+  k``. INIT: the sums include the share of
   later sites, ``acc_ptr [N, D]`` (source dtype) and ``coef_ptr [N, H]`` fp32
   (:func:`sources_partial`); otherwise those are unused. Outputs
   ``ds_ptr [N, D]`` (source dtype) and
@@ -95,7 +97,8 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
   nh = n64 * H
   for k in tl.range(0, M, num_stages=STAGES):
     j = (I + k).to(tl.int64)
-    dxa, dxb = _load(dx_ptr + j * nd, base, offa, mska, offb, mskb, CB)
+    jx = (IX + k).to(tl.int64)
+    dxa, dxb = _load(dx_ptr + jx * nd, base, offa, mska, offb, mskb, CB)
     dxa = dxa.to(tl.float32)
     dxb = dxb.to(tl.float32)
     tka, tkb = _load(t_ptr + j * D, 0, cola, cmska, colb, cmskb, CB)
@@ -130,24 +133,26 @@ def tokens_per_program(d: int, h: int) -> int:
 
 
 def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
-                      m: int | None = None, init=None):
+                      m: int | None = None, init=None,
+                      dx_row: int | None = None):
   """One source's gradient on local (unsharded) arrays.
 
-  ``s [N, D]``, ``r [N]``, ``dX [R, N, D]``, ``t [R, D]``, ``lse``/``xd``
-  ``[R, N, H]``; sites ``i .. i+m-1`` read the source (``m`` defaults to
-  ``R - i``); ``init``: None or ``(acc [N, D], coef [N, H])``, the share of
-  later sites (:func:`sources_partial_local`). Returns ``(ds [N, D], dt [m,
-  D])`` with ``dt`` this source's share of the query-gain gradient of those
-  sites.
+  ``s [N, D]``, ``r [N]``, ``t [R, D]``, ``lse``/``xd [R, N, H]``; sites
+  ``i .. i+m-1`` read the source (``m`` defaults to ``R - i``); ``dX [R', N,
+  D]`` holds their cotangents from row ``dx_row`` (default ``i``);
+  ``init``: None or ``(acc [N, D], coef [N, H])``, the share of later sites
+  (:func:`sources_partial_local`). Returns ``(ds [N, D], dt [m, D])`` with
+  ``dt`` this source's share of the query-gain gradient of those sites.
   """
   n, d = s.shape
-  m = dX.shape[0] - i if m is None else m
+  m = t.shape[0] - i if m is None else m
+  dx_row = i if dx_row is None else dx_row
   c = d // h
   bn = tokens_per_program(d, h)
   acc, coef = (s, r) if init is None else init     # unused when not INIT
   ds, dlr = tr._launch(
       source_grad_kernel, [s, r.astype(jnp.float32), dX, t, lse, xd, acc,
-                           coef], [i, m, n],
+                           coef], [i, dx_row, m, n],
       [jax.ShapeDtypeStruct((n, d), s.dtype),
        jax.ShapeDtypeStruct((m, n, h), jnp.float32)],
       grid=(triton.cdiv(n, bn),), num_warps=TUNING["warps"],
@@ -171,7 +176,8 @@ def _specs(batch_axes, lead: int):
 
 
 def source_grad(s, r, dX, t, lse, xd, i: int, h: int, mesh=None,
-                batch_axes=(), m: int | None = None, init=None):
+                batch_axes=(), m: int | None = None, init=None,
+                dx_row: int | None = None):
   """:func:`source_grad_local` on ``[tokens, ...]`` arrays (``init``: None or
   ``(acc [tokens..., D], coef [tokens..., H])``), under ``shard_map`` over the
   batch axes of ``mesh`` when given (``dt`` psummed)."""
@@ -184,7 +190,7 @@ def source_grad(s, r, dX, t, lse, xd, i: int, h: int, mesh=None,
         s.reshape(-1, s.shape[-1]), r.reshape(-1),
         dX.reshape(dX.shape[0], -1, dX.shape[-1]), t,
         lse.reshape(lse.shape[0], -1, h), xd.reshape(xd.shape[0], -1, h), i, h,
-        m, tuple(x.reshape(-1, x.shape[-1]) for x in init) or None)
+        m, tuple(x.reshape(-1, x.shape[-1]) for x in init) or None, dx_row)
     if mesh is not None and batch_axes:
       dt = jax.lax.psum(dt, batch_axes)
     return ds.reshape(*loc, s.shape[-1]), dt
@@ -373,10 +379,11 @@ def sites_local(x, r, s: int, t, h: int):
 
 
 def _group_launch(name, kernel, tu, inputs, scalars, out_shapes, dtype, n, d,
-                  h, g, **meta):
-  """Launches a tensor-core kernel of G rows (``g`` used) over tokens x heads
-  with tuning ``tu`` (``tokens_per_program``, ``warps``, ``stages``)."""
-  if not sites_supported(d, h, g):
+                  h, g, carry=None, **meta):
+  """Launches a tensor-core kernel of G rows (``g`` used, 1 to 64) over
+  tokens x heads with tuning ``tu`` (``tokens_per_program``, ``warps``,
+  ``stages``); ``carry`` as in ``triton_route._launch``."""
+  if not (sites_supported(d, h, 2) and 1 <= g <= 64):
     raise ValueError(f"{name}: {g} rows at D={d}, H={h} are not supported"
                      " (see sites_supported)")
   bt = int(tu["tokens_per_program"])
@@ -384,7 +391,8 @@ def _group_launch(name, kernel, tu, inputs, scalars, out_shapes, dtype, n, d,
   ca, cb = head_parts(c)
   return tr._launch(
       kernel, inputs, scalars, out_shapes, grid=(triton.cdiv(n, bt), h),
-      num_warps=int(tu["warps"]), poison=tr.POISON, dummy=inputs[0], D=d,
+      num_warps=int(tu["warps"]), carry=carry, poison=tr.POISON,
+      dummy=inputs[0], D=d,
       H=h, C=c, CA=ca, CB=cb, G=max(16, 1 << (g - 1).bit_length()), BT=bt,
       STAGES=int(tu["stages"]), LOWP=dtype != jnp.float32, **meta)
 
@@ -445,24 +453,27 @@ def _dot_lo(a, b_hi, b_lo, LOWP: tl.constexpr):
 
 @triton.jit
 def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
-                   acc_init,
-                   coef_init, dlr_init, I0, GV, J0, M, N, acc_ptr, coef_ptr,
-                   dlr_ptr,
+                   acc_in, coef_in, acc_init, coef_init, dlr_init, I0, GV, J0,
+                   JX, M, N, acc_ptr, coef_ptr, dlr_ptr,
                    D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                    CA: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
                    MB: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
-                   LOWP: tl.constexpr, EVEN_M: tl.constexpr):
+                   LOWP: tl.constexpr, EVEN_M: tl.constexpr,
+                   INIT: tl.constexpr):
   """BT tokens of head ``program_id(1)``: the share of the sites ``J0 ..
   J0+M-1`` in the gradients of the GV sources in rows ``I0 .. I0+GV-1``.
 
   ``s_ptr [R, N, D]`` (a source buffer), ``r_ptr [GV, N]`` fp32 the sources'
-  inverse RMS; whole-stack ``dx_ptr [R', N, D]`` (site cotangents),
-  ``t_ptr [R', D]`` the sites' query * gain (LOWP: its high part in the
-  sources' dtype, ``tlo_ptr`` the rest; else fp32, ``tlo_ptr`` unused),
-  ``lse_ptr``/``xd_ptr [R', N, H]`` fp32. Outputs
-  ``acc_ptr [GV, N, D]`` (sources' dtype), ``coef_ptr [GV, N, H]`` fp32 and
-  ``dlr_ptr [N, H, GV, M]`` fp32 (``dlogit * r`` of every pair, for the
-  query-gain gradient; ``*_init``: unused, as in ``triton_route._launch``)::
+  inverse RMS; whole-stack ``t_ptr [R', D]`` the sites' query * gain (LOWP:
+  its high part in the sources' dtype, ``tlo_ptr`` the rest; else fp32,
+  ``tlo_ptr`` unused), ``lse_ptr``/``xd_ptr [R', N, H]`` fp32; ``dx_ptr
+  [R'', N, D]`` the site cotangents, site ``J0 + k`` in row ``JX + k``.
+  Outputs ``acc_ptr [GV, N, D]`` (sources' dtype), ``coef_ptr [GV, N, H]``
+  fp32 and ``dlr_ptr [N, H, GV, M]`` fp32 (``dlogit * r`` of every pair, for
+  the query-gain gradient; ``*_init``: unused, as in
+  ``triton_route._launch``). INIT: ``acc_ptr``/``coef_ptr`` hold the share of
+  other sites on entry (the caller aliases them to ``acc_in``/``coef_in``),
+  which the sums continue; otherwise ``acc_in``/``coef_in`` are unused::
 
       logit[g, k] = r_g <s_g, t_k>_h        w = exp(logit - lse_k)
       dlogit      = w (<dx_k, s_g>_h - xd_k)
@@ -488,6 +499,7 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
   nd = n64 * D
   nh = n64 * H
   jb = (J0 + kb).to(tl.int64)               # the first block's sites
+  jxb = (JX + kb).to(tl.int64)              # ... their cotangents' rows
   toff0 = jb[:, None] * D + h * C
   for i in range(BT):
     n = tile * BT + i
@@ -508,7 +520,7 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
         accb = tl.zeros((G, CB), tl.float32)
       coef = tl.zeros((G,), tl.float32)
       dlr_row = dlr_ptr + (n.to(tl.int64) * H + h) * GV * M
-      xoff0 = jb[:, None] * nd + row          # the first block's rows
+      xoff0 = jxb[:, None] * nd + row         # the first block's rows
       loff0 = jb * nh + n * H + h
       for k0 in tl.range(0, M, MB, num_stages=STAGES):
         k = k0 + kb
@@ -550,20 +562,31 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
         if CB > 0:
           accb += _dot(wo, dxb, LOWP) + _dot_lo(do, tb_hi, tb_lo, LOWP)
       aoff = g.to(tl.int64)[:, None] * nd + row
+      coff = (g.to(tl.int64) * n64 + n) * H + h
+      if INIT:
+        acca += tl.load(acc_ptr + aoff + ca[None, :], mask=gm[:, None],
+                        other=0.0).to(tl.float32)
+        if CB > 0:
+          accb += tl.load(acc_ptr + aoff + CA + cb[None, :],
+                          mask=gm[:, None] & cbm[None, :],
+                          other=0.0).to(tl.float32)
+        coef += tl.load(coef_ptr + coff, mask=gm, other=0.0)
       tl.store(acc_ptr + aoff + ca[None, :], acca.to(dt), mask=gm[:, None])
       if CB > 0:
         tl.store(acc_ptr + aoff + CA + cb[None, :], accb.to(dt),
                  mask=gm[:, None] & cbm[None, :])
-      tl.store(coef_ptr + (g.to(tl.int64) * n64 + n) * H + h, coef, mask=gm)
+      tl.store(coef_ptr + coff, coef, mask=gm)
 
 
 def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
-                          m: int, h: int):
+                          m: int, h: int, init=None, dx_row: int | None = None):
   """The share of the sites ``j .. j+m-1`` in the gradients of the sources
   in rows ``i0 .. i0+gv-1`` of a buffer, local arrays.
 
-  ``S [R, N, D]``, ``r [gv, N]``; ``dX [R', N, D]``, ``t [R', D]``,
-  ``lse``/``xd [R', N, H]`` as in :func:`source_grad_local`. Returns
+  ``S [R, N, D]``, ``r [gv, N]``; ``t``, ``lse``, ``xd`` as in
+  :func:`source_grad_local`, ``dX`` holding the sites' cotangents from row
+  ``dx_row`` (default ``j``). ``init``: None, or ``(acc, coef)`` as returned
+  here for other sites, which this continues (updated in place). Returns
   ``(acc [gv, N, D]`` in ``S``'s dtype, ``coef [gv, N, H]``, ``dt [m, D]``
   float32) as ``stack.sources_partial`` computes them.
   """
@@ -574,14 +597,16 @@ def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
     t, t_lo = t.astype(S.dtype), (t - t.astype(S.dtype)).astype(S.dtype)
   else:
     t_lo = t
+  acc_in, coef_in = (S, r) if init is None else init   # unused when not INIT
   acc, coef, dlr = _group_launch(
       "sources_partial_local", sources_kernel, SOURCES_TUNING,
-      [S, r.astype(jnp.float32), dX, t, t_lo, lse, xd],
-      [int(i0), gv, int(j), int(m), n],
+      [S, r.astype(jnp.float32), dX, t, t_lo, lse, xd, acc_in, coef_in],
+      [int(i0), gv, int(j), int(j if dx_row is None else dx_row), int(m), n],
       [jax.ShapeDtypeStruct((gv, n, d), S.dtype),
        jax.ShapeDtypeStruct((gv, n, h), jnp.float32),
        jax.ShapeDtypeStruct((n, h, gv, m), jnp.float32)],
-      S.dtype, n, d, h, gv, MB=mb, EVEN_M=m % mb == 0)
+      S.dtype, n, d, h, gv, carry={0: 7, 1: 8} if init is not None else None,
+      MB=mb, EVEN_M=m % mb == 0, INIT=init is not None)
   c = d // h
   src = S[i0:i0 + gv].astype(jnp.float32).reshape(gv, n, h, c)
   dt = jnp.einsum("nhgm,gnhc->mhc", dlr, src).reshape(m, d)
@@ -589,30 +614,33 @@ def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
 
 
 def sources_partial(S, i0: int, gv: int, r, dX, t, lse, xd, j: int, m: int,
-                    h: int, mesh=None, batch_axes=()):
+                    h: int, mesh=None, batch_axes=(), init=None,
+                    dx_row: int | None = None):
   """:func:`sources_partial_local` on ``S [R, tokens..., D]``, ``r [gv,
-  tokens...]`` and ``[R', tokens..., *]`` buffers, under ``shard_map`` over
+  tokens...]`` and ``[R', tokens..., *]`` buffers (``init``: None or ``(acc
+  [gv, tokens..., D], coef [gv, tokens..., H])``), under ``shard_map`` over
   the batch axes of ``mesh`` when given (``dt`` psummed). Returns ``(acc
   [gv, tokens..., D], coef [gv, tokens..., H], dt [m, D])``."""
   from jax.sharding import PartitionSpec as P
   lead = S.shape[1:-1]
 
-  def local(S, r, dX, t, lse, xd):
+  def local(S, r, dX, t, lse, xd, *init):
     loc = S.shape[1:-1]
     flat = lambda x: x.reshape(x.shape[0], -1, x.shape[-1])  # noqa: E731
     acc, coef, dt = sources_partial_local(
         flat(S), i0, gv, r.reshape(gv, -1), flat(dX), t, flat(lse), flat(xd),
-        j, m, h)
+        j, m, h, tuple(flat(x) for x in init) or None, dx_row)
     if mesh is not None and batch_axes:
       dt = jax.lax.psum(dt, batch_axes)
     return (acc.reshape(gv, *loc, S.shape[-1]), coef.reshape(gv, *loc, h),
             dt)
 
+  init = () if init is None else tuple(init)
   if mesh is None:
-    return local(S, r, dX, t, lse, xd)
+    return local(S, r, dX, t, lse, xd, *init)
   _, _, rows, rows_r = _specs(batch_axes, len(lead))
   return jax.shard_map(local, mesh=mesh,
-                       in_specs=(rows, rows_r, rows, P(), rows,
-                                 rows),
+                       in_specs=(rows, rows_r, rows, P(), rows, rows,
+                                 *(rows for _ in init)),
                        out_specs=(rows, rows, P()), check_vma=False)(
-                           S, r, dX, t, lse, xd)
+                           S, r, dX, t, lse, xd, *init)
