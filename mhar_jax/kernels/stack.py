@@ -297,9 +297,12 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
            if _tensor_core_group(plan, b - a, h.shape[-1])}
   keep = save and not recompute and plan.full and (
       bool(on_tc) or (plan.use_buffers and plan.site_group >= 2))
+  # Not saved, it has the rows the last group on tensor cores reads (its
+  # first site a reads the a + 1 sources s_0 .. s_a) and dies there.
   buf = None
   if on_tc or keep:
-    buf = jnp.zeros((sum(ends) + 1 + keep, *h.shape), h.dtype).at[0].set(h)
+    rows = sum(ends) + 1 + keep if keep else max(on_tc) + 1
+    buf = jnp.zeros((rows, *h.shape), h.dtype).at[0].set(h)
 
   def route_site(j):
     """Site j's output and log-sum-exp (two-phase within its group)."""
@@ -353,7 +356,7 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
     if ends[j]:
       done.append(partial)
       done_r.append(inv_rms(partial, plan.eps))
-      if buf is not None:
+      if buf is not None and len(done) <= buf.shape[0]:
         buf = buf.at[len(done) - 1].set(partial)
       partial = None
   x, lse = route_site(len(params))
