@@ -123,8 +123,9 @@ def test_cotangents_split_over_buffers(kernel_module, n_tok, d, h, gv, m1,
                                        m2):
   """The sites' cotangents held in two buffers at row offsets: the share of
   both (``sources_partial_local`` on the first, continued in place on the
-  second) and a source's gradient from one (``source_grad_local``,
-  ``dx_row``) against the reference on one whole-stack buffer."""
+  second), a source's gradient from one (``source_grad_local``,
+  ``dx_row``) and from both (the upper's sums, ``partial``, continued by the
+  lower's) against the reference on one whole-stack buffer."""
   ts = kernel_module
   rng = np.random.default_rng(gv + m1)
   rows, j = 2 + m1 + m2, 2
@@ -142,15 +143,21 @@ def test_cotangents_split_over_buffers(kernel_module, n_tok, d, h, gv, m1,
                                  h, init=a[:2], dx_row=0)
     ds, dt = ts.source_grad_local(S[0], r[0], lower, t, lse, xd, j, h, m1,
                                   dx_row=1)
+    up = ts.source_grad_local(S[0], r[0], upper, t, lse, xd, j + m1, h, m2,
+                              dx_row=0, partial=True)
+    both = ts.source_grad_local(S[0], r[0], lower, t, lse, xd, j, h, m1,
+                                init=up[:2], dx_row=1)
   got = (b[0], b[1], jnp.concatenate([a[2], b[2]]))
   for x, y in zip(got, want):
     assert x.shape == y.shape
     np.testing.assert_allclose(x, y, rtol=0, atol=1e-5 * float(jnp.abs(y).max()))
-  ds_ref, dt_ref = stack.source_grad(S[0], r[0], dX, t, lse, xd, j, h, m1)
-  np.testing.assert_allclose(ds, ds_ref, rtol=0,
-                             atol=1e-5 * float(jnp.abs(ds_ref).max()))
-  np.testing.assert_allclose(dt, dt_ref, rtol=0,
-                             atol=1e-5 * float(jnp.abs(dt_ref).max()))
+  for (ds, dt), m in (((ds, dt), m1),
+                      ((both[0], jnp.concatenate([both[1], up[2]])), m1 + m2)):
+    ds_ref, dt_ref = stack.source_grad(S[0], r[0], dX, t, lse, xd, j, h, m)
+    np.testing.assert_allclose(ds, ds_ref, rtol=0,
+                               atol=1e-5 * float(jnp.abs(ds_ref).max()))
+    np.testing.assert_allclose(dt, dt_ref, rtol=0,
+                               atol=1e-5 * float(jnp.abs(dt_ref).max()))
 
 
 def _sublayer(j, p, x, consts):
@@ -222,6 +229,13 @@ def test_routed_stack_end_to_end(kernel_module, monkeypatch, n, blocks,
   assert calls.count("sources_kernel") == src_groups, calls
   # one a site, but the first of a group on tensor cores
   assert calls.count("_fwd_kernel") == n + 1 - on_tc, calls
+  if blocks is not None:   # each block's sites' cotangents a buffer apart,
+    # from the sites starting at s_0, at each block sum, and the last: a
+    # finished sum, read from the start of one, sums its share of each above
+    starts = [0] + [j + 1 for j in range(n)
+                    if j + 1 == n or blk[j + 1] != blk[j]]
+    sources = (len(blk) - len(set(blk))
+               + sum(sum(a >= e for a in starts) for e in starts))
   assert calls.count("source_grad_kernel") == sources, calls  # one a source
   out_r, grads_r = run("reference")
   np.testing.assert_allclose(out_t, out_r, rtol=1e-5, atol=1e-5)
@@ -268,13 +282,16 @@ def test_sites_supported(kernel_module):
   assert not ok(1280, 8, 1) and not ok(1280, 8, 65)
 
 
-@pytest.mark.parametrize("project", [None, _project])
-def test_sharded_group_plumbing(kernel_module, monkeypatch, project):
+@pytest.mark.parametrize("project,blocks", [
+    (None, None), (_project, None), (None, (0, 0, 0, 1, 1, 2, 2, 2, 2))])
+def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks):
   """``routed_stack``'s Triton path with groups of sites and of sources under
   a (data=4, model=2) mesh of CPU devices: every kernel wrapper's shard_map
   specs, reshapes and ``dt`` psums, with the local kernels replaced by the
   jnp functions they compute, against the jnp path without a mesh (with
-  ``project``: the backward's groups of recomputed sources)."""
+  ``project``: the backward's groups of recomputed sources; with
+  ``blocks``: block sums summing their shares over each block's span of
+  cotangents)."""
   from mhar_jax.parallel import make_mesh
   ts = kernel_module
   tr = ts.tr
@@ -295,8 +312,10 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project):
                                  init, dx_row)
 
   def source_grad_local(s, r, dX, t, lse, xd, i, heads, m=None, init=None,
-                        dx_row=None):
-    return stack.source_grad(s, r, dX, t, lse, xd, i, h, m, init, dx_row)
+                        dx_row=None, partial=False):
+    calls.append("source" if partial else "")
+    return stack.source_grad(s, r, dX, t, lse, xd, i, h, m, init, dx_row,
+                             partial)
 
   monkeypatch.setattr(tr, "_fwd_local", jnp_fwd_local(h, 1e-6))
   monkeypatch.setattr(ts, "sites_local", sites_local)
@@ -318,13 +337,20 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project):
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(
         x0, params, q, g)
 
-  got = run(stack._Plan(h, 1e-6, "triton", site_group=4, mesh=mesh,
-                        batch_axes=("data",)))
-  # forward groups (0, 3), (3, 7), (7, 10); backward groups [2, 6), [0, 2)
-  # under [6, 10); recomputed sources: each group's cotangents apart, so
-  # [0, 2) takes its share of [2, 6) and [6, 10) in two calls
-  assert calls == ["sites"] * 3 + ["sources"] * (2 + bool(project)), calls
-  want = run(stack._Plan(h, 1e-6, "reference"))
+  blk = tuple(range(n)) if blocks is None else blocks
+  got = run(stack._Plan(h, 1e-6, "triton", blocks=blk, site_group=4,
+                        mesh=mesh, batch_axes=("data",)))
+  partials = calls.count("source")
+  calls = [c for c in calls if c not in ("source", "")]
+  if blocks is None:
+    # forward groups (0, 3), (3, 7), (7, 10); backward groups [2, 6), [0, 2)
+    # under [6, 10); recomputed sources: each group's cotangents apart, so
+    # [0, 2) takes its share of [2, 6) and [6, 10) in two calls
+    assert calls == ["sites"] * 3 + ["sources"] * (2 + bool(project)), calls
+    assert partials == 0
+  else:   # spans of sites [0, 3), [3, 5), [5, 9), [9]: s_0 continues 3
+    assert calls == [] and partials == 3 + 2 + 1, calls
+  want = run(stack._Plan(h, 1e-6, "reference", blocks=blk))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=2e-5,
                                atol=2e-5 * float(jnp.abs(b).max()))

@@ -390,7 +390,8 @@ def _stack_fwd(h, params, queries, gains, consts, fns, plan):
 
 
 def source_grad(s, r, dX, t, lse, xd, i: int, num_heads: int,
-                m: int | None = None, init=None, dx_row: int | None = None):
+                m: int | None = None, init=None, dx_row: int | None = None,
+                partial: bool = False):
   """The gradient of a source from the sites ``i .. i+m-1`` that read it.
 
   ``s [..., D]``, ``r [...]``; whole-stack buffers ``t [R, D]`` (query *
@@ -398,10 +399,12 @@ def source_grad(s, r, dX, t, lse, xd, i: int, num_heads: int,
   x_j>`` per head), read from row ``i``, ``m`` rows (default: to the end,
   ``R - i``); ``dX [R', ..., D]`` the sites' cotangents, read from row
   ``dx_row`` (default ``i``). ``init``: None, or the contribution of later
-  sites, ``(acc [..., D], coef [..., H])`` from :func:`sources_partial`,
-  which this continues.
+  sites, ``(acc [..., D], coef [..., H])`` from :func:`sources_partial` or
+  ``partial``, which this continues.
   Returns ``(ds [..., D]`` in ``s``'s dtype, ``dt [m, D]`` float32: this
-  source's share of those sites' query-gain gradient). The jnp reference of
+  source's share of those sites' query-gain gradient); ``partial``: ``(acc
+  [..., D]`` in ``s``'s dtype, ``coef [..., H]`` float32, ``dt)``, the sums
+  for earlier sites to continue. The jnp reference of
   :func:`mhar_jax.kernels.triton_stack.source_grad`. It reads the buffers as
   one slice from row ``i`` (which XLA keeps in place while the backward
   fills earlier rows; reading row by row makes it copy the buffer) and
@@ -421,14 +424,16 @@ def source_grad(s, r, dX, t, lse, xd, i: int, num_heads: int,
   w = jnp.exp(logit - lse[i:i + m])
   dlogit = w * (jnp.sum(dx * sh[None], axis=-1) - xd[i:i + m])
   dlr = dlogit * r
-  coef = jnp.sum(dlogit * logit, axis=(0, -1))     # [...]
+  coef = jnp.sum(dlogit * logit, axis=0)           # [..., H]
   acc = jnp.sum(w[..., None] * dx + dlr[..., None] * tb, axis=0)
   if init is not None:
     acc = acc + _heads(init[0].astype(jnp.float32), num_heads)
-    coef = coef + jnp.sum(init[1], axis=-1)
-  ds = acc - (coef * r[0, ..., 0] ** 2 / d)[..., None, None] * sh
-  dt = jnp.einsum("m...h,...hc->mhc", dlr, sh)
-  return ds.reshape(s.shape).astype(s.dtype), dt.reshape(m, d)
+    coef = coef + init[1]
+  dt = jnp.einsum("m...h,...hc->mhc", dlr, sh).reshape(m, d)
+  if partial:
+    return acc.reshape(s.shape).astype(s.dtype), coef, dt
+  ds = acc - (jnp.sum(coef, -1) * r[0, ..., 0] ** 2 / d)[..., None, None] * sh
+  return ds.reshape(s.shape).astype(s.dtype), dt
 
 
 def sources_partial(S, r, dX, t, lse, xd, j: int, m: int, num_heads: int,
@@ -523,12 +528,20 @@ def _stack_bwd(fns, plan, res, g):
   # gradient, and nothing reads that source after; one buffer then holds the
   # sources still to come below and the cotangents above. With the sources
   # recomputed and taken in groups, each group's sites have a buffer of
-  # their own (``spans``), made when the first of them has its cotangent:
-  # the cotangents grow as the sublayers' residuals die, instead of one
-  # whole-stack buffer made at the backward's start. Otherwise one buffer.
+  # their own (``spans``, from the top), made when the first of them has its
+  # cotangent: the cotangents grow as the sublayers' residuals die, instead
+  # of one whole-stack buffer made at the backward's start; so too each
+  # block's sites with blocks. A source read by sites of several spans sums
+  # their shares in turn, from the top. Otherwise one buffer.
   shared = not isinstance(done, list)
   off = int(shared)
-  spans = groups if grouped and us is not None else [(0, n + 1)]
+  if grouped and us is not None:
+    spans = groups
+  elif not plan.full:
+    starts = [0] + [j + 1 for j in range(n) if ends[j]] + [n + 1]
+    spans = list(zip(starts[:-1], starts[1:]))[::-1]
+  else:
+    spans = [(0, n + 1)]
   span_of = {k: ab for ab in spans for k in range(*ab)}
   if plan.use_buffers:
     # The buffers are updated in place (their readers, the per-source calls,
@@ -611,21 +624,26 @@ def _stack_bwd(fns, plan, res, g):
           dt = dt.at[lo:lo + rows_m].add(dtp)
         share = (a, *part)
       init, m = (share[1][i - a], share[2][i - a]), b - i
-    if plan.use_buffers:
-      (buf, _, _, row), = cotangents(i, i + m)   # one span: m from its top
+    if not plan.use_buffers:
+      ds, dti = settled(_source_grad_lists(s, r, dxs[i:i + m], xds[i:i + m],
+                                           tt[i:i + m], lses[i:i + m], h))
+      dt = dt.at[i:i + m].add(dti)
+      return ds
+    parts = cotangents(i, i + m)
+    for k, (buf, lo, rows_m, row) in enumerate(parts):
+      last = k + 1 == len(parts)       # else: sums for the spans below
       if plan.impl == "triton":
-        ds, dti = triton_stack.source_grad(
-            s, r, buf, rows_t, lse, xd, i + off, h, plan.mesh,
-            plan.batch_axes, m=m, init=init, dx_row=row)
+        out = triton_stack.source_grad(
+            s, r, buf, rows_t, lse, xd, lo + off, h, plan.mesh,
+            plan.batch_axes, m=rows_m, init=init, dx_row=row,
+            partial=not last)
       else:
-        ds, dti = source_grad(s, r, buf, rows_t, lse, xd, i + off, h, m, init,
-                              row)
-    else:
-      ds, dti = _source_grad_lists(s, r, dxs[i:i + m], xds[i:i + m],
-                                   tt[i:i + m], lses[i:i + m], h)
-    ds, dti = settled((ds, dti))
-    dt = dt.at[i:i + m].add(dti)
-    return ds
+        out = source_grad(s, r, buf, rows_t, lse, xd, lo + off, h, rows_m,
+                          init, row, partial=not last)
+      out = settled(out)
+      dt = dt.at[lo:lo + rows_m].add(out[-1])
+      init = out[:2]               # (acc, coef) unless last: (ds, dt)
+    return out[0]
 
   def settled(outs):
     """``outs`` through an optimization barrier when the cotangents are in a

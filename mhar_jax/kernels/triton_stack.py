@@ -61,12 +61,12 @@ TUNING: dict = {"elems_per_thread": 24, "warps": 4, "stages": 3}
 
 @triton.jit
 def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
-                       coef_ptr, ds_init, dlr_init, I, IX, M, N, ds_ptr,
-                       dlr_ptr,
+                       coef_ptr, ds_init, dlr_init, coefo_init, I, IX, M, N,
+                       ds_ptr, dlr_ptr, coefo_ptr,
                        D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                        HP: tl.constexpr, CA: tl.constexpr, CB: tl.constexpr,
                        BN: tl.constexpr, STAGES: tl.constexpr,
-                       INIT: tl.constexpr):
+                       INIT: tl.constexpr, PARTIAL: tl.constexpr):
   """One token tile of the gradient of one source from all its readers.
 
   ``s_ptr [N, D]`` (source dtype), ``r_ptr [N]`` fp32, ``t_ptr [R, D]``
@@ -76,7 +76,9 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
   later sites, ``acc_ptr [N, D]`` (source dtype) and ``coef_ptr [N, H]`` fp32
   (:func:`sources_partial`); otherwise those are unused. Outputs
   ``ds_ptr [N, D]`` (source dtype) and
-  ``dlr_ptr [M, N, H]`` fp32. Parameter order is ``triton_route._launch``'s:
+  ``dlr_ptr [M, N, H]`` fp32. PARTIAL: the sums are left for earlier sites
+  to continue: ``ds_ptr`` gets ``acc`` and ``coefo_ptr [N, H]`` fp32 ``coef``
+  (otherwise unused). Parameter order is ``triton_route._launch``'s:
   inputs, an unused init per output (poisoned when testing), runtime scalars
   (not specialised: one compiled kernel serves every source), outputs,
   constexprs.
@@ -117,9 +119,14 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
   # (loaded before the loop it held 155 registers against 127, D 1280).
   if INIT:
     coef += tl.load(coef_ptr + hbase + hoff, mask=hmask, other=0.0)
-  scale = (tl.sum(coef, axis=1) * r * r / D)[:, None, None]
-  outa = acca - scale * xa
-  outb = accb - scale * xb
+  if PARTIAL:
+    tl.store(coefo_ptr + hbase + hoff, coef, mask=hmask)
+    outa = acca
+    outb = accb
+  else:
+    scale = (tl.sum(coef, axis=1) * r * r / D)[:, None, None]
+    outa = acca - scale * xa
+    outb = accb - scale * xb
   if INIT:
     ia, ib = _load(acc_ptr, base, offa, mska, offb, mskb, CB)
     outa += ia.to(tl.float32)
@@ -134,15 +141,17 @@ def tokens_per_program(d: int, h: int) -> int:
 
 def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
                       m: int | None = None, init=None,
-                      dx_row: int | None = None):
+                      dx_row: int | None = None, partial: bool = False):
   """One source's gradient on local (unsharded) arrays.
 
   ``s [N, D]``, ``r [N]``, ``t [R, D]``, ``lse``/``xd [R, N, H]``; sites
   ``i .. i+m-1`` read the source (``m`` defaults to ``R - i``); ``dX [R', N,
   D]`` holds their cotangents from row ``dx_row`` (default ``i``);
   ``init``: None or ``(acc [N, D], coef [N, H])``, the share of later sites
-  (:func:`sources_partial_local`). Returns ``(ds [N, D], dt [m, D])`` with
-  ``dt`` this source's share of the query-gain gradient of those sites.
+  (:func:`sources_partial_local`, or this with ``partial``). Returns ``(ds
+  [N, D], dt [m, D])`` with ``dt`` this source's share of the query-gain
+  gradient of those sites; ``partial``: ``(acc [N, D], coef [N, H], dt)``,
+  the share of those sites (and ``init``'s) for earlier sites to continue.
   """
   n, d = s.shape
   m = t.shape[0] - i if m is None else m
@@ -150,17 +159,18 @@ def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
   c = d // h
   bn = tokens_per_program(d, h)
   acc, coef = (s, r) if init is None else init     # unused when not INIT
-  ds, dlr = tr._launch(
+  ds, dlr, coef_out = tr._launch(
       source_grad_kernel, [s, r.astype(jnp.float32), dX, t, lse, xd, acc,
                            coef], [i, dx_row, m, n],
       [jax.ShapeDtypeStruct((n, d), s.dtype),
-       jax.ShapeDtypeStruct((m, n, h), jnp.float32)],
+       jax.ShapeDtypeStruct((m, n, h), jnp.float32),
+       jax.ShapeDtypeStruct((n, h) if partial else (1,), jnp.float32)],
       grid=(triton.cdiv(n, bn),), num_warps=TUNING["warps"],
       poison=tr.POISON, dummy=t, **tile_meta(d, h), BN=bn,
-      STAGES=TUNING["stages"], INIT=init is not None)
+      STAGES=TUNING["stages"], INIT=init is not None, PARTIAL=partial)
   dt = jnp.einsum("mnh,nhc->mhc", dlr,
                   s.astype(jnp.float32).reshape(n, h, c)).reshape(m, d)
-  return ds, dt
+  return (ds, coef_out, dt) if partial else (ds, dt)
 
 
 def _specs(batch_axes, lead: int):
@@ -177,23 +187,28 @@ def _specs(batch_axes, lead: int):
 
 def source_grad(s, r, dX, t, lse, xd, i: int, h: int, mesh=None,
                 batch_axes=(), m: int | None = None, init=None,
-                dx_row: int | None = None):
+                dx_row: int | None = None, partial: bool = False):
   """:func:`source_grad_local` on ``[tokens, ...]`` arrays (``init``: None or
-  ``(acc [tokens..., D], coef [tokens..., H])``), under ``shard_map`` over the
-  batch axes of ``mesh`` when given (``dt`` psummed)."""
+  ``(acc [tokens..., D], coef [tokens..., H])``, as ``partial`` returns
+  them), under ``shard_map`` over the batch axes of ``mesh`` when given
+  (``dt`` psummed)."""
   from jax.sharding import PartitionSpec as P
   lead = s.shape[:-1]
 
   def local(s, r, dX, t, lse, xd, *init):
     loc = s.shape[:-1]
-    ds, dt = source_grad_local(
+    out = source_grad_local(
         s.reshape(-1, s.shape[-1]), r.reshape(-1),
         dX.reshape(dX.shape[0], -1, dX.shape[-1]), t,
         lse.reshape(lse.shape[0], -1, h), xd.reshape(xd.shape[0], -1, h), i, h,
-        m, tuple(x.reshape(-1, x.shape[-1]) for x in init) or None, dx_row)
+        m, tuple(x.reshape(-1, x.shape[-1]) for x in init) or None, dx_row,
+        partial)
+    dt = out[-1]
     if mesh is not None and batch_axes:
       dt = jax.lax.psum(dt, batch_axes)
-    return ds.reshape(*loc, s.shape[-1]), dt
+    sums = (out[0].reshape(*loc, s.shape[-1]),
+            *(x.reshape(*loc, h) for x in out[1:-1]))
+    return (*sums, dt)
 
   init = () if init is None else tuple(init)
   if mesh is None:
@@ -202,8 +217,8 @@ def source_grad(s, r, dX, t, lse, xd, i: int, h: int, mesh=None,
   return jax.shard_map(local, mesh=mesh,
                        in_specs=(tok, tok_r, site, P(), site, site,
                                  *(tok for _ in init)),
-                       out_specs=(tok, P()), check_vma=False)(
-                           s, r, dX, t, lse, xd, *init)
+                       out_specs=(tok, *([tok] * partial), P()),
+                       check_vma=False)(s, r, dX, t, lse, xd, *init)
 
 
 # Routing G sites at once over the same sources (the first phase of
