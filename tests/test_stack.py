@@ -148,11 +148,12 @@ def composed(j, p, x, consts):
 
 @pytest.mark.parametrize("blocks,site_group,buffers", [
     (None, 0, False), (None, 0, True), (None, 2, True), (None, 4, False),
-    ((0, 0, 1, 1, 1, 2), 0, True)])
+    ((0, 0, 1, 1, 1, 2), 0, True), ((0, 0, 1, 1, 1, 2), 0, False),
+    ((0, 0, 0, 1, 1, 1), 2, True)])
 def test_projected_sources_match_the_loop(blocks, site_group, buffers):
-  """With ``project`` the backward recomputes the sources from the
-  projections' inputs (full method) or keeps the block sums: values and
-  every gradient (the projections' weights too) against autodiff of the
+  """With ``project`` the backward recomputes the sources (full method) or
+  the block and partial sums (blocks) from the projections' inputs: values
+  and every gradient (the projections' weights too) against autodiff of the
   loop of whole sublayers."""
   from mhar_jax.kernels import stack
   n, num_heads = 6, 4
@@ -164,11 +165,11 @@ def test_projected_sources_match_the_loop(blocks, site_group, buffers):
                      buffers=buffers, site_group=site_group)
   assert_stack_is_the_block_loop(plan, (toy_body, toy_project), composed,
                                  h, params, queries, gains, consts, cot)
-  # full method: the sources are not among the saved residuals
-  if blocks is None:
-    saved = stack._forward(h, params, queries, gains, consts,
-                           (toy_body, toy_project), plan, save=True)[1]
-    assert len(saved[0]) == 1 and len(saved[-1]) == n
+  # the sources (full) or the block and partial sums are not saved
+  saved = stack._forward(h, params, queries, gains, consts,
+                         (toy_body, toy_project), plan, save=True)[1]
+  assert len(saved[0]) == 1 and len(saved[-1]) == n
+  assert all(p is None for p in saved[2])
 
 
 def test_projected_sources_are_not_kept():
@@ -326,7 +327,9 @@ def decoder_grads(residual, routing_backward, remat=False, heads=4, seed=0,
         ("mhar", 4, False, 0, 3, "none"),         # two-phase groups
         ("mhar", 2, True, 2, 2, "none"),
         ("mhar", 4, False, 0, 0, "attention"),    # sources recomputed
-        ("attnres", 1, True, 0, 3, "all")])
+        ("attnres", 1, True, 0, 3, "all"),
+        ("mhar", 4, False, 2, 0, "all"),          # block sums recomputed
+        ("mhar", 2, True, 2, 2, "attention")])
 def test_decoder_source_backward_equals_site_backward(residual, heads, remat,
                                                       num_blocks, site_group,
                                                       recompute):
@@ -358,9 +361,10 @@ def test_source_backward_is_for_attnres_and_mhar():
   # site groups: only for the source-major stack, a non-negative integer
   with pytest.raises(ValueError, match="model.routing_site_group=4"):
     TransformerConfig(residual="prenorm", num_layers=2, routing_site_group=4)
-  # recomputed sources: the full method's source-major stack only
-  for kw in (dict(num_blocks=2), dict(routing_backward="site"),
-             dict(residual="prenorm")):
+  # recomputed sources: the source-major stack only (full or blocks)
+  assert TransformerConfig(residual="mhar", num_layers=2, num_blocks=2,
+                           recompute_sources="all").recompute_sources == "all"
+  for kw in (dict(routing_backward="site"), dict(residual="prenorm")):
     with pytest.raises(ValueError, match="model.recompute_sources='all'"):
       TransformerConfig(**{"residual": "mhar", "num_layers": 2,
                            "recompute_sources": "all", **kw})

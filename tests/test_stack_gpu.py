@@ -199,9 +199,10 @@ def test_group_kernels_match_reference(dtype, d, heads, gv, m):
                                               (1024, 8, 1, 5, 16)])
 def test_group_kernels_split_cotangents(dtype, d, heads, gv, m1, m2):
   """The sites' cotangents in two buffers at row offsets (the backward with
-  recomputed sources): G sources' share of both, the second call continuing
-  the first's (acc, coef) in place, and a source's gradient from one
-  buffer's rows, against the jnp references on one whole buffer; outputs
+  recomputed sources, and with blocks): G sources' share of both, the second
+  call continuing the first's (acc, coef) in place, a source's gradient from
+  one buffer's rows and from both (the upper's sums, ``partial``, continued
+  by the lower's), against the jnp references on one whole buffer; outputs
   poisoned first."""
   from mhar_jax.kernels import reference, stack, triton_route, triton_stack
   n_tok, j = 1000, 3
@@ -224,6 +225,8 @@ def test_group_kernels_split_cotangents(dtype, d, heads, gv, m1, m2):
                                  heads)
     want_ds = stack.source_grad(f32(S[0]), r[0], f32(dX), t, lse, xd, j,
                                 heads, m1)
+    want_both = stack.source_grad(f32(S[0]), r[0], f32(dX), t, lse, xd, j,
+                                  heads, m1 + m2)
 
   def split(S, r, lower, upper, t, lse, xd):
     a = triton_stack.sources_partial_local(S, 0, gv, r, lower, t, lse, xd, j,
@@ -233,10 +236,16 @@ def test_group_kernels_split_cotangents(dtype, d, heads, gv, m1, m2):
                                            dx_row=0)
     ds = triton_stack.source_grad_local(S[0], r[0], lower, t, lse, xd, j,
                                         heads, m1, dx_row=1)
-    return (b[0], b[1], jnp.concatenate([a[2], b[2]])), ds
+    up = triton_stack.source_grad_local(S[0], r[0], upper, t, lse, xd,
+                                        j + m1, heads, m2, dx_row=0,
+                                        partial=True)
+    both = triton_stack.source_grad_local(S[0], r[0], lower, t, lse, xd, j,
+                                          heads, m1, init=up[:2], dx_row=1)
+    return ((b[0], b[1], jnp.concatenate([a[2], b[2]])), ds,
+            (both[0], jnp.concatenate([both[1], up[2]])))
 
   with triton_route.poison_outputs():
-    got, ds = jax.jit(split)(S, r, lower, upper, t, lse, xd)
-  for a, b in [*zip(got, want), *zip(ds, want_ds)]:
+    got, ds, both = jax.jit(split)(S, r, lower, upper, t, lse, xd)
+  for a, b in [*zip(got, want), *zip(ds, want_ds), *zip(both, want_both)]:
     assert a.shape == b.shape
     assert rel(a, b) <= TOL[dtype], rel(a, b)

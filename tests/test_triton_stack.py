@@ -175,6 +175,7 @@ def _project(j, p, u):
     (5, None, True, 3, 1, None),        # backward: [3, 6) has no site above
     (5, None, True, 3, 1, _project),    # ... its sources recomputed
     (5, (0, 0, 1, 1, 1), True, 2, 0, None),
+    (5, (0, 0, 1, 1, 1), True, 0, 0, _project),   # block sums recomputed
     (8, None, True, 3, 3, _project),    # [0, 3) under [3, 6) and [6, 9)
     # sites 0-14, 15-30 (16 sources), 31-33 (32): whole source blocks;
     # backward [2, 18) and [0, 2) under 16 and 32 sites: whole site blocks

@@ -37,17 +37,17 @@ cotangents, which the backward keeps from the top down, go into the buffer
 of the saved sources when there is one (full method with site groups), each
 into the row of the source the backward has just finished with, so the
 backward adds no whole-stack buffer of its own. (Blocks keep their partial
-sums as a list and the cotangents in a buffer of their own: one buffer
-shared the same way has rows for every site, which at 100m / 350m, whose
-peak is at the loss before the backward, cost more than it saved; RESULTS.md
-session 15.) With
-``project`` (full method), the sources are not kept: each is recomputed from
-the input of the sublayer's output projection, which that projection's
-gradient keeps anyway, when the backward reaches it; with site groups the
-cotangents then go into one buffer per group of sites, made when the group's
-first cotangent appears, so that they grow as the sublayers' residuals die
-(a group's share of the sites above it is summed over those buffers in
-turn).
+sums as a list and each block's sites' cotangents in a buffer of their own,
+made when the first appears, so that they grow as the sublayers' residuals
+die; a block sum read by the sites of several blocks sums its share of each
+buffer in turn.) With ``project``, the sources are not kept: each sublayer's
+output is recomputed from the input of its output projection, which that
+projection's gradient keeps anyway, when the backward reaches it (blocks:
+the block's partial sums and block sum are added up again from its
+recomputed outputs when the backward enters the block); with site groups
+the full method's cotangents then go into one buffer per group of sites, as
+the blocks' do (a group's share of the sites above it is summed over those
+buffers in turn).
 """
 
 from __future__ import annotations
@@ -121,12 +121,13 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
     project: ``project(j, params[j], u) -> y``, hashable like ``apply``:
       sublayer ``j``'s output projection. Given, ``apply`` returns its input
       ``u`` (e.g. the attention heads before W_o) and the sublayer is
-      ``project(j, p, apply(j, p, x, consts))``. For the full method the
-      backward then recomputes each source from ``u`` (kept anyway for the
-      projection's gradient) instead of keeping it: one copy of the sources
-      less in memory for one more projection a sublayer. An identity
-      ``project`` (``u`` is the output) keeps that sublayer's output as
-      before. Blocks keep their sums.
+      ``project(j, p, apply(j, p, x, consts))``. The backward then
+      recomputes each sublayer's output from ``u`` (kept anyway for the
+      projection's gradient) instead of keeping the sources (full method)
+      or the block and partial sums (blocks: added up again per block): one
+      copy of the sources less in memory for one more projection a
+      sublayer. An identity ``project`` (``u`` is the output) keeps that
+      sublayer's output.
 
   Returns:
     ``x_n`` ``[..., D]`` in ``h``'s dtype.
@@ -272,11 +273,12 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
   ``[len(done), ..., D]`` buffer when groups of sites route on tensor cores,
   ``[s_0]`` alone when the sources are recomputed), ``partials``/
   ``partial_r`` (per site: the partial sum it reads, or None; sites 0 ..
-  n-1, the final site reads none), the sites' outputs and log-sum-exps, the
+  n-1, the final site reads none; recomputing, no partial sums but their
+  inv-RMS), the sites' outputs and log-sum-exps, the
   sublayers' VJPs (of ``apply`` alone when recomputing), ``t = query *
   gain`` and the projections' inputs ``us`` (None unless recomputing)."""
   apply, project = fns
-  recompute = project is not None and plan.full
+  recompute = project is not None
   t = (queries.astype(jnp.float32) * gains.astype(jnp.float32)).reshape(
       queries.shape[0], plan.num_heads, -1)
   ends = plan.block_ends(len(params))
@@ -366,7 +368,8 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
   # ``done``'s, indexed alike by the backward), else as the list; or only
   # s_0, the rest being recomputed from ``us``.
   if recompute:
-    return x, ([h], done_r, partials, partial_r, xs, lses, vjps, t, us)
+    return x, ([h], done_r, [None] * len(params), partial_r, xs, lses, vjps,
+               t, us)
   return x, (buf if keep else done, done_r, partials, partial_r, xs, lses,
              vjps, t, None)
 
@@ -580,18 +583,39 @@ def _stack_bwd(fns, plan, res, g):
   # that XLA neither merges the recomputation with the forward's product
   # (which would keep the source alive after all) nor hoists it.
   projected, after = {}, g
+  sums = {}        # recomputed block sums (by ``done`` index), partial sums
+
+  def projection(j):
+    """Sublayer ``j``'s output recomputed from its projection's input (the
+    projection's VJP kept in ``projected[j]`` for sublayer j's gradient)."""
+    if j not in projected:
+      _, p, u = jax.lax.optimization_barrier((after, params[j], us[j]))
+      projected[j] = jax.vjp(functools.partial(project, j), p, u)
+    return projected[j][0]
+
+  def recompute_block(e, k):
+    """Recomputed, the sums of the block ending at sublayer ``e`` (``done``
+    index ``k``): the partial sum each of its sites after the first reads
+    (``sums[("site", j)]``) and the block sum (``sums[k]``), added as the
+    forward added them."""
+    a = e
+    while a > 0 and not ends[a - 1]:
+      a -= 1
+    run = None
+    for j in range(a, e + 1):
+      if run is not None:
+        sums["site", j] = run
+      run = projection(j) if run is None else run + projection(j)
+    sums[k] = run
 
   def source(k):
     """Finished source ``k`` (``done``'s index; recomputed: sublayer k-1's
-    output)."""
+    output, or the block sum that :func:`recompute_block` left)."""
     if shared:
       return cots[0][k]  # not yet overwritten: k <= the next cotangent's row
     if us is None or k == 0:
       return done[k]
-    if k not in projected:
-      _, p, u = jax.lax.optimization_barrier((after, params[k - 1], us[k - 1]))
-      projected[k] = jax.vjp(functools.partial(project, k - 1), p, u)
-    return projected[k][0]
+    return projection(k - 1) if plan.full else sums[k]
 
   def grad_of(k, i, m):
     """Gradient of finished source ``k`` read by sites ``i .. i+m-1``."""
@@ -660,11 +684,13 @@ def _stack_bwd(fns, plan, res, g):
   dy = None
   for j in range(n - 1, -1, -1):
     if ends[j]:
+      if us is not None and not plan.full:
+        recompute_block(j, finished)
       dy = grad_of(finished, j + 1, n - j)
       finished -= 1
     if us is not None:
-      dp_project, dy = projected.pop(j + 1)[1](dy)
-      dparams[j], dx = vjps[j](dy)
+      dp_project, du = projected.pop(j)[1](dy)
+      dparams[j], dx = vjps[j](du)
       dparams[j] = jax.tree.map(jnp.add, dparams[j], dp_project)
       after = dx
     else:
@@ -674,8 +700,9 @@ def _stack_bwd(fns, plan, res, g):
       xd = xd.at[j + off].set(dot_heads(dx, xs[j]))
     else:
       dxs[j], xds[j] = dx, dot_heads(dx, xs[j])
-    if partials[j] is not None:
-      dy = dy + _grad_of(partials[j], partial_r[j], j, 1)
+    if partial_r[j] is not None:
+      src = partials[j] if us is None else sums.pop(("site", j))
+      dy = dy + _grad_of(src, partial_r[j], j, 1)
   dh = grad_of(0, 0, n + 1)
   # Site 0 reads s_0 alone: its query and gain have exactly zero gradient.
   # The formula leaves rounding noise there (<dx_0, s_0> - xd_0), which

@@ -84,10 +84,11 @@ class TransformerConfig:
   # and the full method, else 0). Same function up to rounding; an
   # implementation choice.
   routing_site_group: int | None = None
-  # Source-major full-method stacks: recompute the routing sources of these
-  # sublayers from their output projection's input in the backward instead
-  # of keeping them ("none" | "attention" | "all"): a copy of their outputs
-  # less at the memory peak for one more output projection each.
+  # Source-major stacks: recompute the routing sources (full method) or
+  # block and partial sums (blocks) from these sublayers' output projection's
+  # input in the backward instead of keeping them ("none" | "attention" |
+  # "all"): a copy of their outputs less at the memory peak for one more
+  # output projection each.
   recompute_sources: str = "none"
   remat: bool = False
 
@@ -144,13 +145,11 @@ class TransformerConfig:
 
     if self.recompute_sources not in RECOMPUTE_SOURCES:
       bad("recompute_sources", f"choose one of {RECOMPUTE_SOURCES}.")
-    if self.recompute_sources != "none" and not (
-        self.source_major_backward and self.num_blocks == 0):
-      bad("recompute_sources", "recomputes the sources of the full method's"
-          " source-major stack (AttnRes / MHAR, num_blocks=0, routing_backward"
-          f" 'auto' or 'source'); got model.residual={self.residual!r},"
-          f" num_blocks={self.num_blocks}, routing_backward="
-          f"{self.routing_backward!r}. Set it to 'none'.")
+    if self.recompute_sources != "none" and not self.source_major_backward:
+      bad("recompute_sources", "recomputes the sources of the source-major"
+          " stack (AttnRes / MHAR, full or blocks, routing_backward 'auto' or"
+          f" 'source'); got model.residual={self.residual!r},"
+          f" routing_backward={self.routing_backward!r}. Set it to 'none'.")
 
   @property
   def source_major_backward(self) -> bool:
