@@ -113,14 +113,15 @@ def test_triton_stack_kernel_inverse_rms(monkeypatch, dtype, lead, d, heads,
 
 @pytest.mark.parametrize("num_blocks,num_layers,recompute", [
     (0, 3, "none"), (2, 3, "none"), (0, 13, "none"), (0, 13, "attention"),
-    (0, 13, "all"), (0, 24, "all")])
+    (0, 13, "all"), (0, 24, "all"), (3, 13, "all")])
 def test_decoder_source_backward_on_gpu(num_blocks, num_layers, recompute):
   """The decoder's default source-major stack (Triton; 13 layers: 27 sites,
   so the default groups of 16 route on tensor cores forward, sites 0-14 and
   15-26, and backward, sources 0-10; with the attention sublayers' sources or
   all of them recomputed, each group's cotangents in a buffer of its own; 24
   layers: sources 1-16 and 0 take their share of two and three such
-  buffers) against the jnp site-by-site one."""
+  buffers; 3 blocks: block and partial sums recomputed, each block's
+  cotangents a buffer apart) against the jnp site-by-site one."""
   from flax import nnx
 
   from mhar_jax import training
