@@ -7,7 +7,9 @@ For each ``preset/scheme`` (as in benchmarks/throughput.py) a fresh process
 compiles the trainer's step (no run) with XLA dumping its buffer assignment,
 and this prints, from XLA's live-range dump (``*-live-range.txt``), the
 bytes live at the step's peak by the JAX operation that made them and the
-largest buffers live there. Comparing a
+largest buffers live there, and (from the buffer assignment) how far XLA's
+allocation of the temporaries exceeds the most bytes live in it at once: the
+holes in its layout then, and what holds each hole at other times. Comparing a
 scheme with the baseline shows what the scheme's extra memory is (e.g. the
 routed sources saved for the backward, or its whole-stack cotangent buffer).
 Runs on the CPU too (``tiny``), for a check of the plumbing; with
@@ -60,6 +62,62 @@ def peak_report(text: str) -> dict:
       peak=int(total.group(1).replace(" ", "")) if total else None,
       live=sorted(live, key=lambda x: -x[1]),
       by_op=sorted(by_op, key=lambda x: -x[1]))
+
+
+def _name(n: str) -> str:
+  """A buffer's name as both dumps can spell it (``fusion.3{}`` = ``fusion.3``)."""
+  return n[:-2] if n.endswith("{}") else n
+
+
+def heap_report(assignment: str, live_range: str, min_hole: int = 1 << 26
+                ) -> dict:
+  """Where XLA's temporary allocation exceeds the bytes live in it.
+
+  From the ``*-buffer-assignment.txt`` dump (each temporary's offset and size
+  in the one preallocated-temp allocation) and ``*-live-range.txt`` (each
+  buffer's ``start-end`` in the schedule, end exclusive here): the
+  allocation's size (``extent``, the highest offset + size), the most bytes
+  live in it at once (``live``) and when (``at``), and the holes of at least
+  ``min_hole`` bytes in the layout at that time, each ``(offset, size,
+  [(name, size, start, end), ...])`` with the buffers of at least
+  ``min_hole`` bytes that hold that range at some other time (what the hole
+  is kept free for)."""
+  i = assignment.find("preallocated-temp:")
+  if i < 0:
+    return dict(extent=0, live=0, at=None, holes=[])
+  j = assignment.find("\nallocation", i)
+  seg = assignment[i:j if j >= 0 else len(assignment)]
+  spans = {_name(m.group(1)): (int(m.group(2)), int(m.group(3)))
+           for m in re.finditer(r"^    (\S+):(\d+)-(\d+)$", live_range, re.M)}
+  bufs = []
+  for m in re.finditer(r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\)",
+                       seg):
+    name = _name(m.group(1))
+    if name in spans:
+      s, e = spans[name]
+      bufs.append((name, int(m.group(2)), int(m.group(3)), s, max(e, s + 1)))
+  events = sorted([(s, size) for _, size, _, s, _ in bufs]
+                  + [(e, -size) for _, size, _, _, e in bufs])
+  live = best = 0
+  at = None
+  for k, (t, d) in enumerate(events):
+    live += d
+    if live > best and (k + 1 == len(events) or events[k + 1][0] != t):
+      best, at = live, t
+  extent = max((off + size for _, size, off, _, _ in bufs), default=0)
+  holes, pos = [], 0
+  for name, size, off, s, e in sorted((b for b in bufs if b[3] <= at < b[4]),
+                                      key=lambda b: b[2]):
+    if off - pos >= min_hole:
+      holes.append((pos, off - pos))
+    pos = max(pos, off + size)
+  if extent - pos >= min_hole:
+    holes.append((pos, extent - pos))
+  return dict(extent=extent, live=best, at=at, holes=[
+      (p, g, sorted(((n, size, s, e) for n, size, off, s, e in bufs
+                     if size >= min_hole and off < p + g and off + size > p),
+                    key=lambda b: b[2]))
+      for p, g in holes])
 
 
 def rematerialized(hlo: str) -> int:
@@ -126,6 +184,10 @@ def main():
         print(f"== {run}: compile rc {rc}, {len(files)} live-range dumps")
         continue
       rep = peak_report(open(files[-1]).read())
+      assignment = glob.glob(files[-1].replace("live-range.txt",
+                                               "buffer-assignment.txt"))
+      heap = (heap_report(open(assignment[0]).read(), open(files[-1]).read())
+              if assignment else None)
       hlo = sorted(glob.glob(os.path.join(
           dump, "*jit_step*after_optimizations.txt")), key=os.path.getsize)
       remat = rematerialized(open(hlo[-1]).read()) if hlo else "?"
@@ -138,6 +200,13 @@ def main():
       print("  largest buffers live at the peak:")
       for name, n in rep["live"][:a.top]:
         print(f"  {gib(n)}  {name}")
+      if heap:
+        print(f"  temporaries: allocation {gib(heap['extent'])}, at most"
+              f" {gib(heap['live'])} live (position {heap['at']}); holes there:")
+        for off, size, held in heap["holes"]:
+          print(f"  {gib(size)} at offset {off / 2**30:.2f} GiB, held at other"
+                " times by: " + ", ".join(f"{n} ({m / 2**30:.2f} GiB, {s0}-{e0})"
+                                         for n, m, s0, e0 in held[:4]))
       if first is None:
         first = (run, _by_key(rep["by_op"]))
         continue

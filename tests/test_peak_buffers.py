@@ -57,3 +57,34 @@ def test_rematerialized_counts_the_remat_pass_copies():
   ROOT %tuple.5 = (f32[4]) tuple(%fusion.3)
 }"""
   assert peak_buffers.rematerialized(hlo) == 2
+
+
+def test_heap_report_finds_the_hole_at_the_live_peak():
+  """A 4-byte buffer holds offset 0 early on and a 6-byte one sits above
+  it: 10 bytes allocated. With the two overlapping in time, 10 are live at
+  once; with the first dead before the second starts, the most live is 8 and
+  the layout then has a hole where the first was."""
+  assignment = """allocation 0: size 8, parameter 0:
+ value: <1 p0 @0> (size=8,offset=0): f32[2]
+allocation 1: size 10, preallocated-temp:
+ value: <2 early{} @0> (size=4,offset=0): f32[1]
+ value: <3 late @0> (size=6,offset=4): f32[1]
+ value: <4 later @0> (size=2,offset=0): f32[1]
+"""
+  live_range = """  BufferLiveRange:
+    p0{}:0-9
+    early{}:0-3
+    late{}:2-8
+    later{}:6-8
+"""
+  rep = peak_buffers.heap_report(assignment, live_range, min_hole=2)
+  assert rep["extent"] == 10
+  assert rep["live"] == 10 and rep["at"] == 2     # early and late overlap at 2
+  rep = peak_buffers.heap_report(assignment, live_range.replace("0-3", "0-2"),
+                                 min_hole=2)
+  # early ends as late starts: at most 8 live (late + later, from 6), and
+  # then the 2 bytes between later and late are a hole that early held
+  assert rep["live"] == 8 and rep["at"] == 6
+  assert rep["holes"] == [(2, 2, [("early", 4, 0, 2)])]
+  assert peak_buffers.heap_report("", "") == dict(extent=0, live=0, at=None,
+                                                  holes=[])
