@@ -577,11 +577,13 @@ def _stack_bwd(fns, plan, res, g):
   if plan.use_buffers:
     put(n, g)
 
-  # Recomputing: source i + 1 and the VJP of its projection, from when the
-  # backward first needs it until sublayer i's gradient is taken. Its inputs
-  # pass an optimization barrier with the latest cotangent (``after``), so
-  # that XLA neither merges the recomputation with the forward's product
-  # (which would keep the source alive after all) nor hoists it.
+  # Recomputing: sublayer j's output and the VJP of its projection, from
+  # when the backward first needs it until sublayer j's gradient is taken
+  # (the full method's source j + 1; blocks: summed into its block's). Its
+  # inputs pass an optimization barrier with the latest cotangent
+  # (``after``), so that XLA neither merges the recomputation with the
+  # forward's product (which would keep the source alive after all) nor
+  # hoists it.
   projected, after = {}, g
   sums = {}        # recomputed block sums (by ``done`` index), partial sums
 
