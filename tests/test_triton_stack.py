@@ -280,7 +280,8 @@ def test_sites_supported(kernel_module):
   ok = kernel_module.sites_supported
   assert ok(1280, 8, 16) and ok(1024, 8, 9)
   assert not ok(576, 8, 16)      # C = 72 = 64 + 8: 8 lanes
-  assert not ok(1280, 8, 1) and not ok(1280, 8, 65)
+  assert ok(1280, 8, 1)          # one row: a depth's last group of sources
+  assert not ok(1280, 8, 0) and not ok(1280, 8, 65)
 
 
 @pytest.mark.parametrize("project,blocks", [

@@ -367,11 +367,13 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
 
 
 def sites_supported(d: int, h: int, g: int) -> bool:
-  """Whether :func:`sites_local` takes ``g`` sites at width ``d`` with ``h``
-  heads: both parts of a head's channels must be >= 16 lanes (``tl.dot``'s
-  minimum; 160 = 128 + 32 is, 72 = 64 + 8 is not) and ``2 <= g <= 64``."""
+  """Whether the tensor-core kernels take ``g`` rows (sites of
+  :func:`sites_local`, sources of :func:`sources_partial_local`) at width
+  ``d`` with ``h`` heads: both parts of a head's channels must be >= 16 lanes
+  (``tl.dot``'s minimum; 160 = 128 + 32 is, 72 = 64 + 8 is not) and ``1 <= g
+  <= 64`` (padded to 16 or the next power of two)."""
   ca, cb = head_parts(d // h)
-  return d % h == 0 and ca >= 16 and (cb == 0 or cb >= 16) and 2 <= g <= 64
+  return d % h == 0 and ca >= 16 and (cb == 0 or cb >= 16) and 1 <= g <= 64
 
 
 def sites_local(x, r, s: int, t, h: int):
@@ -398,7 +400,7 @@ def _group_launch(name, kernel, tu, inputs, scalars, out_shapes, dtype, n, d,
   """Launches a tensor-core kernel of G rows (``g`` used, 1 to 64) over
   tokens x heads with tuning ``tu`` (``tokens_per_program``, ``warps``,
   ``stages``); ``carry`` as in ``triton_route._launch``."""
-  if not (sites_supported(d, h, 2) and 1 <= g <= 64):
+  if not sites_supported(d, h, g):
     raise ValueError(f"{name}: {g} rows at D={d}, H={h} are not supported"
                      " (see sites_supported)")
   bt = int(tu["tokens_per_program"])
