@@ -517,9 +517,9 @@ def _stack_bwd(fns, plan, res, g):
   # with explicit buffers: the test of this bookkeeping): the share of the
   # sites b .. n in their gradients is computed first, for the whole group
   # at once, and each source then adds its sites i .. b-1 on its own.
-  grouped = plan.full and plan.site_group >= 2 and (
-      _tensor_core_group(plan, plan.site_group, g.shape[-1])
-      or (plan.impl == "reference" and plan.use_buffers))
+  grouped = (plan.full and plan.site_group >= 2 and plan.use_buffers and (
+      plan.impl == "reference"
+      or _tensor_core_group(plan, plan.site_group, g.shape[-1])))
   groups = ([(max(0, b - plan.site_group), b)
              for b in range(n + 1, 0, -plan.site_group)] if grouped else [])
   group_of = {i: (a, b) for a, b in groups if b <= n for i in range(a, b)}
@@ -651,8 +651,8 @@ def _stack_bwd(fns, plan, res, g):
         share = (a, *part)
       init, m = (share[1][i - a], share[2][i - a]), b - i
     if not plan.use_buffers:
-      ds, dti = settled(_source_grad_lists(s, r, dxs[i:i + m], xds[i:i + m],
-                                           tt[i:i + m], lses[i:i + m], h))
+      ds, dti = _source_grad_lists(s, r, dxs[i:i + m], xds[i:i + m],
+                                   tt[i:i + m], lses[i:i + m], h)
       dt = dt.at[i:i + m].add(dti)
       return ds
     parts = cotangents(i, i + m)
@@ -672,12 +672,12 @@ def _stack_bwd(fns, plan, res, g):
     return out[0]
 
   def settled(outs):
-    """``outs`` through an optimization barrier when the cotangents are in a
-    buffer: a query-gain gradient (read only at the end) is then computed
+    """``outs`` (read from the cotangent buffers) through an optimization
+    barrier: a query-gain gradient (read only at the end) is then computed
     with the source gradient the next write waits for, not later from a
     buffer that write has replaced (XLA would keep a copy of it: with the
     sources' buffer shared, 4 copies at 1b; recomputed sources, 2)."""
-    return jax.lax.optimization_barrier(outs) if plan.use_buffers else outs
+    return jax.lax.optimization_barrier(outs)
 
   # Walk the sublayers down. ``dy`` is the gradient of sublayer j's output:
   # its block sum's gradient (read by every site after the block) plus those
