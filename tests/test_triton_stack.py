@@ -222,7 +222,6 @@ def test_routed_stack_end_to_end(kernel_module, monkeypatch, n, blocks,
       return out, vjp(cot)
 
   out_t, grads_t = run("triton")
-  sources = len(set(blk)) + 1 + (len(blk) - len(set(blk)))   # done + partials
   groups = stack._Plan(h, 1e-6, "triton", blocks=blk,
                        site_group=site_group).site_groups(n)
   on_tc = sum(b - a >= 2 for a, b in groups) if blocks is None else 0
@@ -230,14 +229,15 @@ def test_routed_stack_end_to_end(kernel_module, monkeypatch, n, blocks,
   assert calls.count("sources_kernel") == src_groups, calls
   # one a site, but the first of a group on tensor cores
   assert calls.count("_fwd_kernel") == n + 1 - on_tc, calls
-  if blocks is not None:   # each block's sites' cotangents a buffer apart,
-    # from the sites starting at s_0, at each block sum, and the last: a
-    # finished sum, read from the start of one, sums its share of each above
-    starts = [0] + [j + 1 for j in range(n)
-                    if j + 1 == n or blk[j + 1] != blk[j]]
-    sources = (len(blk) - len(set(blk))
-               + sum(sum(a >= e for a in starts) for e in starts))
-  assert calls.count("source_grad_kernel") == sources, calls  # one a source
+  # full method: one launch a source. Blocks: each block's sites'
+  # cotangents a buffer apart, from the sites starting at s_0, at each block
+  # sum, and the last: a finished sum, read from the start of one, sums its
+  # share of each above it; one launch a partial sum.
+  starts = [0] + [j + 1 for j in range(n)
+                  if j + 1 == n or blk[j + 1] != blk[j]]
+  sources = (n + 1 if blocks is None else len(blk) - len(set(blk))
+             + sum(sum(a >= e for a in starts) for e in starts))
+  assert calls.count("source_grad_kernel") == sources, calls
   out_r, grads_r = run("reference")
   np.testing.assert_allclose(out_t, out_r, rtol=1e-5, atol=1e-5)
   for a, b in zip(jax.tree.leaves(grads_t), jax.tree.leaves(grads_r)):
