@@ -42,7 +42,8 @@ def main():
   ap.add_argument("--sites", type=int, default=16)
   ap.add_argument("--configs", default="16x4x3,4x4x3,32x4x3,16x8x3,16x4x2",
                   help="tokens a program x warps x pipeline stages [x "
-                  "sources a block] of triton_stack.sites_kernel")
+                  "sources a block [x 1: the flat loop over (token, block)]] "
+                  "of triton_stack.sites_kernel")
   ap.add_argument("--json", default="")
   a = ap.parse_args()
   import jax
@@ -79,9 +80,11 @@ def main():
       ms, _, _ = _median_ms(fn, args)
       res[name] = ms
     for cfg_s in a.configs.split(","):
-      bt, w, st, sb = (list(map(int, cfg_s.split("x"))) + [default_block])[:4]
+      bt, w, st, sb, flat = (list(map(int, cfg_s.split("x")))
+                             + [default_block, 0][len(cfg_s.split("x")) - 3:])
       triton_stack.SITES_TUNING.update(tokens_per_program=bt, warps=w,
-                                       stages=st, source_block=sb)
+                                       stages=st, source_block=sb,
+                                       flat=bool(flat))
       fn = jax.jit(lambda x, r, t: triton_stack.sites_local(x, r, s, t, a.h))
       try:
         out, lse = fn(x, r, t)
@@ -94,7 +97,7 @@ def main():
         print(f"  {n}x{s} {cfg_s}: ERROR {ex!r}"[:400], flush=True)
         continue
       res[f"depth attention {cfg_s}"] = ms
-      print(f"  {n}x{s} depth attention BTxWxSTAGES[xSB] {cfg_s}: {ms:.3f} ms, "
+      print(f"  {n}x{s} depth attention BTxWxSTAGES[xSB[xFLAT]] {cfg_s}: {ms:.3f} ms, "
             f"{100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs:.1f}% of copy "
             f"(S + G arrays), out rel err {err:.1e}, lse abs err {lerr:.1e}",
             flush=True)

@@ -229,7 +229,7 @@ def source_grad(s, r, dX, t, lse, xd, i: int, h: int, mesh=None,
 # launch, with 16 tokens a program, 4 warps, 3 stages. Groups of fewer than
 # ``min_sites`` sites use triton_route's G-site launch (the kernel pads G to 16).
 SITES_TUNING: dict = {"tokens_per_program": 16, "warps": 4, "stages": 3,
-                      "source_block": 16, "min_sites": 8}
+                      "source_block": 16, "min_sites": 8, "flat": False}
 
 
 @triton.jit
@@ -273,12 +273,67 @@ def _dot(a, b, LOWP: tl.constexpr):
 
 
 @triton.jit
+def _sites_block(xp, rp, sm, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m, lsum,
+                 acca, accb, CA: tl.constexpr, CB: tl.constexpr,
+                 LOWP: tl.constexpr, EVEN_S: tl.constexpr,
+                 FULL_B: tl.constexpr):
+  """One block of SB sources at one token and head folded into G sites'
+  online softmax ``(m, lsum, acca, accb)`` (``m`` -inf: a fresh start).
+
+  ``xp`` points at the block's rows (``[SB]`` row pointers, the head's first
+  channel), ``rp`` at their inverse RMS, ``sm [SB]`` which sources exist;
+  ``t*_hi``/``t*_lo [G, CA|CB]`` the queries (two terms when LOWP). CB = 0:
+  ``tb_*``/``accb`` are placeholders, returned as given."""
+  xa = _load_tile(xp[:, None] + ca[None, :], sm[:, None], EVEN_S)
+  if not LOWP:
+    xa = xa.to(tl.float32)
+  u = _dot2(ta_hi, ta_lo, tl.trans(xa), LOWP)
+  if CB > 0:
+    xb = _load_tile(xp[:, None] + CA + cb[None, :], sm[:, None] & cbm[None, :],
+                    FULL_B)
+    if not LOWP:
+      xb = xb.to(tl.float32)
+    u += _dot2(tb_hi, tb_lo, tl.trans(xb), LOWP)
+  rs = _load_tile(rp, sm, EVEN_S)
+  if EVEN_S:
+    logit = u * rs[None, :]
+  else:
+    logit = tl.where(sm[None, :], u * rs[None, :], float("-inf"))
+  m_new = tl.maximum(m, tl.max(logit, axis=1))
+  alpha = tl.exp(m - m_new)                  # 0 on a fresh start
+  p = tl.exp(logit - m_new[:, None])
+  lsum = lsum * alpha + tl.sum(p, axis=1)
+  po = p.to(xa.dtype)
+  acca = acca * alpha[:, None] + _dot(po, xa, LOWP)
+  if CB > 0:
+    accb = accb * alpha[:, None] + _dot(po, xb, LOWP)
+  return m_new, lsum, acca, accb
+
+
+@triton.jit
+def _sites_store(out_ptr, lse_ptr, ooff, loff, mask, ca, cb, cbm, m, lsum,
+                 acca, accb, dt: tl.constexpr, CA: tl.constexpr,
+                 CB: tl.constexpr):
+  """G sites' results at one token and head: ``acc / lsum`` at ``ooff [G]``
+  (row offsets, the head's first channel) and ``m + log(lsum)`` at ``loff
+  [G]``, rows where ``mask``."""
+  inv = 1.0 / lsum[:, None]
+  tl.store(out_ptr + ooff[:, None] + ca[None, :], (acca * inv).to(dt),
+           mask=mask[:, None])
+  if CB > 0:
+    tl.store(out_ptr + ooff[:, None] + CA + cb[None, :], (accb * inv).to(dt),
+             mask=mask[:, None] & cbm[None, :])
+  tl.store(lse_ptr + loff, m + tl.log(lsum), mask=mask)
+
+
+@triton.jit
 def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
                  lse_ptr,
                  D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                  CA: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
                  SB: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
-                 LOWP: tl.constexpr, EVEN_S: tl.constexpr):
+                 LOWP: tl.constexpr, EVEN_S: tl.constexpr,
+                 FLAT: tl.constexpr):
   """BT tokens of head ``program_id(1)``: GV sites over the first S sources.
 
   ``x_ptr [R, N, D]`` (R >= S rows of sources), ``r_ptr [S, N]`` fp32 inverse
@@ -296,7 +351,11 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
   ``triton_route.head_parts``. LOWP (16-bit sources): products in the
   sources' dtype, the queries as two terms (hi + lo), the softmax weights
   rounded once, as FlashAttention's; otherwise exact fp32 products. EVEN_S:
-  S is a multiple of SB (the source loop unmasked).
+  S is a multiple of SB (the source loop unmasked). FLAT: one software-
+  pipelined loop over (token, block) pairs, so the next token's first
+  blocks load while this token's last ones are summed (tokens past N redo
+  token N - 1 unstored); otherwise a loop over tokens, each with its own
+  pipelined loop over blocks.
   """
   tile = tl.program_id(0)
   h = tl.program_id(1)
@@ -312,58 +371,51 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
     tb_hi, tb_lo = _split(
         tl.load(t_ptr + g[:, None] * D + h * C + CA + cb[None, :],
                 mask=gm[:, None] & cbm[None, :], other=0.0), dt, LOWP)
+  else:                                    # placeholders, never read
+    cb = ca
+    cbm = ca < CA
+    tb_hi = ta_hi
+    tb_lo = ta_lo
   sb = tl.arange(0, SB)
   FULL_B: tl.constexpr = EVEN_S and CB == C - CA   # part B's loads unmasked
   n64 = N + tl.zeros((), tl.int64)          # N may be specialised to 1
   nd = n64 * D
-  for i in range(BT):
-    n = tile * BT + i
-    if n < N:
-      row = n.to(tl.int64) * D + h * C
-      m = tl.full((G,), float("-inf"), tl.float32)
-      lsum = tl.zeros((G,), tl.float32)
-      acca = tl.zeros((G, CA), tl.float32)
-      if CB > 0:
-        accb = tl.zeros((G, CB), tl.float32)
-      xrow = x_ptr + sb.to(tl.int64)[:, None] * nd + row
-      rrow = r_ptr + sb.to(tl.int64) * n64 + n
-      for s0 in tl.range(0, S, SB, num_stages=STAGES):
-        s = s0 + sb
-        sm = s < S
-        xp = xrow + s0 * nd
-        xa = _load_tile(xp + ca[None, :], sm[:, None], EVEN_S)
-        if not LOWP:
-          xa = xa.to(tl.float32)
-        u = _dot2(ta_hi, ta_lo, tl.trans(xa), LOWP)
-        if CB > 0:
-          xb = _load_tile(xp + CA + cb[None, :], sm[:, None] & cbm[None, :],
-                          FULL_B)
-          if not LOWP:
-            xb = xb.to(tl.float32)
-          u += _dot2(tb_hi, tb_lo, tl.trans(xb), LOWP)
-        rs = _load_tile(rrow + s0 * n64, sm, EVEN_S)
-        if EVEN_S:
-          logit = u * rs[None, :]
-        else:
-          logit = tl.where(sm[None, :], u * rs[None, :], float("-inf"))
-        m_new = tl.maximum(m, tl.max(logit, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(logit - m_new[:, None])
-        lsum = lsum * alpha + tl.sum(p, axis=1)
-        po = p.to(xa.dtype)
-        acca = acca * alpha[:, None] + _dot(po, xa, LOWP)
-        if CB > 0:
-          accb = accb * alpha[:, None] + _dot(po, xb, LOWP)
-        m = m_new
-      ooff = g.to(tl.int64)[:, None] * nd + row
-      inv = 1.0 / lsum[:, None]
-      tl.store(out_ptr + ooff + ca[None, :], (acca * inv).to(dt),
-               mask=gm[:, None])
-      if CB > 0:
-        tl.store(out_ptr + ooff + CA + cb[None, :], (accb * inv).to(dt),
-                 mask=gm[:, None] & cbm[None, :])
-      tl.store(lse_ptr + (g.to(tl.int64) * n64 + n) * H + h, m + tl.log(lsum),
-               mask=gm)
+  srow = sb.to(tl.int64) * nd               # a block's rows, from its first
+  gout = g.to(tl.int64) * nd
+  glse = g.to(tl.int64) * n64 * H + h
+  m = tl.full((G,), float("-inf"), tl.float32)
+  lsum = tl.zeros((G,), tl.float32)
+  acca = tl.zeros((G, CA), tl.float32)
+  accb = tl.zeros((G, CB if CB > 0 else CA), tl.float32)
+  if FLAT:
+    nb = tl.cdiv(S, SB)
+    for it in tl.range(0, BT * nb, num_stages=STAGES):
+      i = it // nb
+      s0 = (it - i * nb) * SB
+      nn = tile * BT + i
+      n = tl.minimum(nn, N - 1).to(tl.int64)
+      row = n * D + h * C
+      m = tl.where(s0 == 0, float("-inf"), m)
+      m, lsum, acca, accb = _sites_block(
+          x_ptr + s0 * nd + srow + row, r_ptr + (s0 + sb) * n64 + n,
+          s0 + sb < S, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m, lsum,
+          acca, accb, CA, CB, LOWP, EVEN_S, FULL_B)
+      _sites_store(out_ptr, lse_ptr, gout + row, glse + n * H,
+                   tl.where((s0 + SB >= S) & (nn < N), gm, False), ca, cb,
+                   cbm, m, lsum, acca, accb, dt, CA, CB)
+  else:
+    for i in range(BT):
+      n = tile * BT + i
+      if n < N:
+        row = n.to(tl.int64) * D + h * C
+        m = tl.full((G,), float("-inf"), tl.float32)
+        for s0 in tl.range(0, S, SB, num_stages=STAGES):
+          m, lsum, acca, accb = _sites_block(
+              x_ptr + s0 * nd + srow + row, r_ptr + (s0 + sb) * n64 + n,
+              s0 + sb < S, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m, lsum,
+              acca, accb, CA, CB, LOWP, EVEN_S, FULL_B)
+        _sites_store(out_ptr, lse_ptr, gout + row, glse + n * H, gm, ca, cb,
+                     cbm, m, lsum, acca, accb, dt, CA, CB)
 
 
 def sites_supported(d: int, h: int, g: int) -> bool:
@@ -399,7 +451,8 @@ def _group_launch(name, kernel, tu, inputs, scalars, out_shapes, dtype, n, d,
                   h, g, carry=None, **meta):
   """Launches a tensor-core kernel of G rows (``g`` used, 1 to 64) over
   tokens x heads with tuning ``tu`` (``tokens_per_program``, ``warps``,
-  ``stages``); ``carry`` as in ``triton_route._launch``."""
+  ``stages``, ``flat``: the loop form); ``carry`` as in
+  ``triton_route._launch``."""
   if not sites_supported(d, h, g):
     raise ValueError(f"{name}: {g} rows at D={d}, H={h} are not supported"
                      " (see sites_supported)")
@@ -411,7 +464,8 @@ def _group_launch(name, kernel, tu, inputs, scalars, out_shapes, dtype, n, d,
       num_warps=int(tu["warps"]), carry=carry, poison=tr.POISON,
       dummy=inputs[0], D=d,
       H=h, C=c, CA=ca, CB=cb, G=max(16, 1 << (g - 1).bit_length()), BT=bt,
-      STAGES=int(tu["stages"]), LOWP=dtype != jnp.float32, **meta)
+      STAGES=int(tu["stages"]), LOWP=dtype != jnp.float32,
+      FLAT=bool(tu["flat"]), **meta)
 
 
 def sites(x, r, s: int, t, h: int, mesh=None, batch_axes=()):
@@ -445,7 +499,7 @@ def sites(x, r, s: int, t, h: int, mesh=None, batch_axes=()):
 # block were 1-72% slower). A site count that is a multiple of the block
 # compiles without the loop's masks (every group at 1b and 350m).
 SOURCES_TUNING: dict = {"tokens_per_program": 16, "warps": 4, "stages": 3,
-                        "site_block": 16}
+                        "site_block": 16, "flat": False}
 
 
 @triton.jit
@@ -469,6 +523,98 @@ def _dot_lo(a, b_hi, b_lo, LOWP: tl.constexpr):
 
 
 @triton.jit
+def _sources_block(t_ptr, tlo_ptr, dx_ptr, lse_ptr, xd_ptr, dlr_ptr, toff,
+                   xoff, loff, doff, km, dmask, sa, sb, rg, ca, cb, cbm, coef,
+                   acca, accb, CA: tl.constexpr, CB: tl.constexpr,
+                   LOWP: tl.constexpr, EVEN_M: tl.constexpr,
+                   FULL_B: tl.constexpr):
+  """One block of MB sites at one token and head added to G sources' sums
+  ``(coef, acca, accb)``, their ``dlogit * r`` stored at ``doff [G, MB]``
+  where ``dmask``.
+
+  ``toff [MB, 1]``, ``xoff [MB, 1]``: the sites' query and cotangent rows
+  (the head's first channel), ``loff [MB]`` their statistics, ``km [MB]``
+  which sites exist; ``sa``/``sb [G, CA|CB]`` the sources, ``rg [G]`` their
+  inverse RMS. CB = 0: ``sb``/``accb`` are placeholders, returned as
+  given."""
+  ta_hi, ta_lo = _load2(t_ptr, tlo_ptr, toff + ca[None, :], km[:, None], LOWP,
+                        EVEN_M)
+  dxa = _load_tile(dx_ptr + xoff + ca[None, :], km[:, None], EVEN_M)
+  if not LOWP:
+    dxa = dxa.to(tl.float32)
+  u = _dot_lo(sa, tl.trans(ta_hi), tl.trans(ta_lo), LOWP)   # [G, MB]
+  dp = _dot(sa, tl.trans(dxa), LOWP)
+  if CB > 0:
+    kbm = km[:, None] & cbm[None, :]
+    tb_hi, tb_lo = _load2(t_ptr, tlo_ptr, toff + CA + cb[None, :], kbm, LOWP,
+                          FULL_B)
+    dxb = _load_tile(dx_ptr + xoff + CA + cb[None, :], kbm, FULL_B)
+    if not LOWP:
+      dxb = dxb.to(tl.float32)
+    u += _dot_lo(sb, tl.trans(tb_hi), tl.trans(tb_lo), LOWP)
+    dp += _dot(sb, tl.trans(dxb), LOWP)
+  lse = _load_tile(lse_ptr + loff, km, EVEN_M)
+  xd = _load_tile(xd_ptr + loff, km, EVEN_M)
+  logit = rg[:, None] * u
+  if EVEN_M:
+    w = tl.exp(logit - lse[None, :])
+  else:
+    w = tl.where(km[None, :], tl.exp(logit - lse[None, :]), 0.0)
+  dl = w * (dp - xd[None, :])
+  dlr = dl * rg[:, None]
+  coef += tl.sum(dl * logit, axis=1)
+  tl.store(dlr_ptr + doff, dlr, mask=dmask)
+  wo = w.to(dxa.dtype)
+  do = dlr.to(dxa.dtype)
+  acca += _dot(wo, dxa, LOWP) + _dot_lo(do, ta_hi, ta_lo, LOWP)
+  if CB > 0:
+    accb += _dot(wo, dxb, LOWP) + _dot_lo(do, tb_hi, tb_lo, LOWP)
+  return coef, acca, accb
+
+
+@triton.jit
+def _sources_load(s_ptr, r_ptr, soff, roff, gm, ca, cb, cbm,
+                  CA: tl.constexpr, CB: tl.constexpr, LOWP: tl.constexpr):
+  """G sources at one token and head (``soff [G]`` their rows, the head's
+  first channel) as ``(sa, sb, rg)``; CB = 0: ``sb`` is ``sa``."""
+  sa = tl.load(s_ptr + soff[:, None] + ca[None, :], mask=gm[:, None],
+               other=0.0)
+  if not LOWP:
+    sa = sa.to(tl.float32)
+  sb = sa
+  if CB > 0:
+    sb = tl.load(s_ptr + soff[:, None] + CA + cb[None, :],
+                 mask=gm[:, None] & cbm[None, :], other=0.0)
+    if not LOWP:
+      sb = sb.to(tl.float32)
+  rg = tl.load(r_ptr + roff, mask=gm, other=0.0)
+  return sa, sb, rg
+
+
+@triton.jit
+def _sources_store(acc_ptr, coef_ptr, aoff, coff, mask, ca, cb, cbm, coef,
+                   acca, accb, dt: tl.constexpr, CA: tl.constexpr,
+                   CB: tl.constexpr, INIT: tl.constexpr):
+  """G sources' sums at one token and head to ``aoff [G]`` (rows, the head's
+  first channel) and ``coef`` to ``coff [G]``, rows where ``mask``; INIT:
+  added to what is there."""
+  if INIT:
+    acca += tl.load(acc_ptr + aoff[:, None] + ca[None, :], mask=mask[:, None],
+                    other=0.0).to(tl.float32)
+    if CB > 0:
+      accb += tl.load(acc_ptr + aoff[:, None] + CA + cb[None, :],
+                      mask=mask[:, None] & cbm[None, :],
+                      other=0.0).to(tl.float32)
+    coef += tl.load(coef_ptr + coff, mask=mask, other=0.0)
+  tl.store(acc_ptr + aoff[:, None] + ca[None, :], acca.to(dt),
+           mask=mask[:, None])
+  if CB > 0:
+    tl.store(acc_ptr + aoff[:, None] + CA + cb[None, :], accb.to(dt),
+             mask=mask[:, None] & cbm[None, :])
+  tl.store(coef_ptr + coff, coef, mask=mask)
+
+
+@triton.jit
 def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
                    acc_in, coef_in, acc_init, coef_init, dlr_init, I0, GV, J0,
                    JX, M, N, acc_ptr, coef_ptr, dlr_ptr,
@@ -476,7 +622,7 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
                    CA: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
                    MB: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
                    LOWP: tl.constexpr, EVEN_M: tl.constexpr,
-                   INIT: tl.constexpr):
+                   INIT: tl.constexpr, FLAT: tl.constexpr):
   """BT tokens of head ``program_id(1)``: the share of the sites ``J0 ..
   J0+M-1`` in the gradients of the GV sources in rows ``I0 .. I0+GV-1``.
 
@@ -499,7 +645,10 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
   As :func:`sites_kernel`: per token, ``[G, C] x [C, MB]`` then ``[G, MB] x
   [MB, C]`` products (G >= 16 >= GV rows, masked), C as two parts; LOWP:
   16-bit products, the queries as two terms (split by the caller), ``w`` and
-  ``dlogit r`` rounded once; otherwise exact fp32.
+  ``dlogit r`` rounded once; otherwise exact fp32. FLAT: one pipelined loop
+  over (token, block) pairs, the sources loaded again at every block
+  (tokens past N redo token N - 1 unstored); otherwise a loop over tokens,
+  each with its own pipelined loop over blocks.
   """
   tile = tl.program_id(0)
   h = tl.program_id(1)
@@ -510,89 +659,69 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
   if CB > 0:
     cb = tl.arange(0, CB)
     cbm = cb < C - CA
+  else:                                    # placeholders, never read
+    cb = ca
+    cbm = ca < CA
   kb = tl.arange(0, MB)
   FULL_B: tl.constexpr = EVEN_M and CB == C - CA   # part B's loads unmasked
   n64 = N + tl.zeros((), tl.int64)          # N may be specialised to 1
   nd = n64 * D
   nh = n64 * H
   jb = (J0 + kb).to(tl.int64)               # the first block's sites
-  jxb = (JX + kb).to(tl.int64)              # ... their cotangents' rows
   toff0 = jb[:, None] * D + h * C
-  for i in range(BT):
-    n = tile * BT + i
-    if n < N:
-      row = n.to(tl.int64) * D + h * C
-      soff = (I0 + g).to(tl.int64)[:, None] * nd + row
-      sa = tl.load(s_ptr + soff + ca[None, :], mask=gm[:, None], other=0.0)
-      if not LOWP:
-        sa = sa.to(tl.float32)
-      if CB > 0:
-        sb = tl.load(s_ptr + soff + CA + cb[None, :],
-                     mask=gm[:, None] & cbm[None, :], other=0.0)
-        if not LOWP:
-          sb = sb.to(tl.float32)
-      rg = tl.load(r_ptr + g.to(tl.int64) * n64 + n, mask=gm, other=0.0)
-      acca = tl.zeros((G, CA), tl.float32)
-      if CB > 0:
-        accb = tl.zeros((G, CB), tl.float32)
-      coef = tl.zeros((G,), tl.float32)
-      dlr_row = dlr_ptr + (n.to(tl.int64) * H + h) * GV * M
-      xoff0 = jxb[:, None] * nd + row         # the first block's rows
-      loff0 = jb * nh + n * H + h
-      for k0 in tl.range(0, M, MB, num_stages=STAGES):
-        k = k0 + kb
-        km = k < M
-        toff = toff0 + k0 * D
-        xoff = xoff0 + k0 * nd
-        ta_hi, ta_lo = _load2(t_ptr, tlo_ptr, toff + ca[None, :],
-                              km[:, None], LOWP, EVEN_M)
-        dxa = _load_tile(dx_ptr + xoff + ca[None, :], km[:, None], EVEN_M)
-        if not LOWP:
-          dxa = dxa.to(tl.float32)
-        u = _dot_lo(sa, tl.trans(ta_hi), tl.trans(ta_lo), LOWP)   # [G, MB]
-        dp = _dot(sa, tl.trans(dxa), LOWP)
-        if CB > 0:
-          kbm = km[:, None] & cbm[None, :]
-          tb_hi, tb_lo = _load2(t_ptr, tlo_ptr, toff + CA + cb[None, :], kbm,
-                                LOWP, FULL_B)
-          dxb = _load_tile(dx_ptr + xoff + CA + cb[None, :], kbm, FULL_B)
-          if not LOWP:
-            dxb = dxb.to(tl.float32)
-          u += _dot_lo(sb, tl.trans(tb_hi), tl.trans(tb_lo), LOWP)
-          dp += _dot(sb, tl.trans(dxb), LOWP)
-        loff = loff0 + k0 * nh
-        lse = _load_tile(lse_ptr + loff, km, EVEN_M)
-        xd = _load_tile(xd_ptr + loff, km, EVEN_M)
-        logit = rg[:, None] * u
-        if EVEN_M:
-          w = tl.exp(logit - lse[None, :])
-        else:
-          w = tl.where(km[None, :], tl.exp(logit - lse[None, :]), 0.0)
-        dl = w * (dp - xd[None, :])
-        dlr = dl * rg[:, None]
-        coef += tl.sum(dl * logit, axis=1)
-        tl.store(dlr_row + g[:, None] * M + k[None, :], dlr,
-                 mask=gm[:, None] & km[None, :])
-        wo = w.to(dxa.dtype)
-        do = dlr.to(dxa.dtype)
-        acca += _dot(wo, dxa, LOWP) + _dot_lo(do, ta_hi, ta_lo, LOWP)
-        if CB > 0:
-          accb += _dot(wo, dxb, LOWP) + _dot_lo(do, tb_hi, tb_lo, LOWP)
-      aoff = g.to(tl.int64)[:, None] * nd + row
-      coff = (g.to(tl.int64) * n64 + n) * H + h
-      if INIT:
-        acca += tl.load(acc_ptr + aoff + ca[None, :], mask=gm[:, None],
-                        other=0.0).to(tl.float32)
-        if CB > 0:
-          accb += tl.load(acc_ptr + aoff + CA + cb[None, :],
-                          mask=gm[:, None] & cbm[None, :],
-                          other=0.0).to(tl.float32)
-        coef += tl.load(coef_ptr + coff, mask=gm, other=0.0)
-      tl.store(acc_ptr + aoff + ca[None, :], acca.to(dt), mask=gm[:, None])
-      if CB > 0:
-        tl.store(acc_ptr + aoff + CA + cb[None, :], accb.to(dt),
-                 mask=gm[:, None] & cbm[None, :])
-      tl.store(coef_ptr + coff, coef, mask=gm)
+  xoff0 = (JX + kb).to(tl.int64)[:, None] * nd + h * C   # ... cotangent rows
+  loff0 = jb * nh + h
+  g64 = g.to(tl.int64)
+  srow = (I0 + g).to(tl.int64) * nd + h * C
+  grow = g64 * nd + h * C
+  doff0 = g[:, None] * M + kb[None, :]
+  coef = tl.zeros((G,), tl.float32)
+  acca = tl.zeros((G, CA), tl.float32)
+  accb = tl.zeros((G, CB if CB > 0 else CA), tl.float32)
+  if FLAT:
+    nb = tl.cdiv(M, MB)
+    for it in tl.range(0, BT * nb, num_stages=STAGES):
+      i = it // nb
+      k0 = (it - i * nb) * MB
+      nn = tile * BT + i
+      n = tl.minimum(nn, N - 1).to(tl.int64)
+      sa, sb, rg = _sources_load(s_ptr, r_ptr, srow + n * D, g64 * n64 + n,
+                                 gm, ca, cb, cbm, CA, CB, LOWP)
+      fresh = k0 == 0
+      coef = tl.where(fresh, 0.0, coef)
+      acca = tl.where(fresh, 0.0, acca)
+      accb = tl.where(fresh, 0.0, accb)
+      ok = tl.where(nn < N, gm, False)      # rows of a token that exists
+      coef, acca, accb = _sources_block(
+          t_ptr, tlo_ptr, dx_ptr, lse_ptr, xd_ptr,
+          dlr_ptr + (n * H + h) * GV * M, toff0 + k0 * D,
+          xoff0 + n * D + k0 * nd, loff0 + n * H + k0 * nh, doff0 + k0,
+          k0 + kb < M, ok[:, None] & (k0 + kb < M)[None, :], sa, sb, rg, ca,
+          cb, cbm, coef, acca, accb, CA, CB, LOWP, EVEN_M, FULL_B)
+      _sources_store(acc_ptr, coef_ptr, grow + n * D, (g64 * n64 + n) * H + h,
+                     tl.where(k0 + MB >= M, ok, False), ca, cb, cbm, coef,
+                     acca, accb, dt, CA, CB, INIT)
+  else:
+    for i in range(BT):
+      n = tile * BT + i
+      if n < N:
+        nt = n.to(tl.int64)
+        sa, sb, rg = _sources_load(s_ptr, r_ptr, srow + nt * D,
+                                   g64 * n64 + nt, gm, ca, cb, cbm, CA, CB,
+                                   LOWP)
+        coef = tl.zeros((G,), tl.float32)
+        acca = tl.zeros((G, CA), tl.float32)
+        accb = tl.zeros((G, CB if CB > 0 else CA), tl.float32)
+        for k0 in tl.range(0, M, MB, num_stages=STAGES):
+          coef, acca, accb = _sources_block(
+              t_ptr, tlo_ptr, dx_ptr, lse_ptr, xd_ptr,
+              dlr_ptr + (nt * H + h) * GV * M, toff0 + k0 * D,
+              xoff0 + nt * D + k0 * nd, loff0 + nt * H + k0 * nh, doff0 + k0,
+              k0 + kb < M, gm[:, None] & (k0 + kb < M)[None, :], sa, sb, rg,
+              ca, cb, cbm, coef, acca, accb, CA, CB, LOWP, EVEN_M, FULL_B)
+        _sources_store(acc_ptr, coef_ptr, grow + nt * D,
+                       (g64 * n64 + nt) * H + h, gm, ca, cb, cbm, coef, acca,
+                       accb, dt, CA, CB, INIT)
 
 
 def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
