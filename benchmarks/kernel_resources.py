@@ -1,14 +1,16 @@
 """What Triton makes of the tensor-core routing kernels for the H200, without a GPU.
 
-    python benchmarks/kernel_resources.py [--d 1280 --h 8] [--stages 3]
+    python benchmarks/kernel_resources.py [--d 1280 --h 8] \
+        [--variants 0x4x3,1x4x3,1x1x3]
 
 Compiles ``triton_stack.sites_kernel`` and ``sources_kernel`` (both loop
 forms, ``FLAT``) for sm_90 as jax-triton would launch them at width ``D``
-with ``H`` heads, bf16, 16 rows, the tunings of ``SITES_TUNING`` /
-``SOURCES_TUNING`` (``--stages`` overrides theirs), and prints per variant
-the registers a thread, spilled bytes (``ptxas -v``), shared memory, and the
-asynchronous copies in the code (``cp.async``: loads the software pipeline
-issues ahead). Needs only ``triton`` (its bundled ``ptxas``); no CUDA
+with ``H`` heads, bf16, 16 rows, the tokens a program of ``SITES_TUNING`` /
+``SOURCES_TUNING``, for each variant (loop form x warps x pipeline stages),
+and prints the registers a thread, spilled bytes (``ptxas -v``), shared
+memory, the asynchronous copies in the code (``cp.async``: loads the
+software pipeline issues ahead), its barriers (``bar.sync``) and how many
+programs an SM could hold. Needs only ``triton`` (its bundled ``ptxas``); no CUDA
 driver or device. It tells whether a variant compiles, fits and is
 pipelined, not how fast it runs: time that on the device
 (``benchmarks/depth_attention.py``, ``benchmarks/source_grad.py --group``).
@@ -30,7 +32,7 @@ def compile_stats(kernel, types: dict, constexprs: dict, warps: int) -> dict:
   """Compiles ``kernel`` for sm_90 with argument ``types`` (name -> Triton
   type string, pointers 16-byte aligned as jax-triton assumes) and
   ``constexprs``; returns registers, spill bytes, shared bytes and the count
-  of ``cp.async`` instructions."""
+  of ``cp.async`` and ``bar.sync`` instructions in the code."""
   import triton
   from triton import knobs
   from triton.backends.compiler import GPUTarget
@@ -58,15 +60,16 @@ def compile_stats(kernel, types: dict, constexprs: dict, warps: int) -> dict:
   regs = int(re.search(r"Used (\d+) registers", out).group(1))
   spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill", out))
   return dict(regs=regs, spill=spill, shared=k.metadata.shared,
-              cp_async=len(re.findall(r"cp\.async\.(?:ca|cg)", ptx)))
+              cp_async=len(re.findall(r"cp\.async\.(?:ca|cg)", ptx)),
+              bar_sync=len(re.findall(r"\bbar\.sync\b", ptx)))
 
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--d", type=int, default=1280)
   ap.add_argument("--h", type=int, default=8)
-  ap.add_argument("--stages", type=int, default=0,
-                  help="pipeline depth (0: the tunings')")
+  ap.add_argument("--variants", default="0x4x3,1x4x3",
+                  help="FLAT (0/1) x warps x pipeline stages, comma-separated")
   a = ap.parse_args()
   from mhar_jax.kernels import triton_stack as ts
   from mhar_jax.kernels.triton_route import head_parts
@@ -87,18 +90,23 @@ def main():
             JX="i32", M="i32", N="i32", acc_ptr=p16, coef_ptr=p32,
             dlr_ptr=p32),
        dict(MB=ts.SOURCES_TUNING["site_block"], EVEN_M=True, INIT=True))):
-    for flat in (False, True):
-      stages = a.stages or int(tu["stages"])
+    for v in a.variants.split(","):
+      flat, warps, stages = map(int, v.split("x"))
       st = compile_stats(kernel, types, dict(
           shape, **meta, BT=int(tu["tokens_per_program"]), STAGES=stages,
-          FLAT=flat), int(tu["warps"]))
-      rows.append((name, "flat" if flat else "per token", stages, st))
-  print(f"sm_90, D={a.d} H={a.h} (C = {ca} + {cb}), bf16, G=16")
-  print(f"{'kernel':16s} {'loop':10s} {'stages':>6s} {'regs':>5s} "
-        f"{'spill B':>7s} {'smem B':>7s} {'cp.async':>8s}")
-  for name, loop, stages, st in rows:
-    print(f"{name:16s} {loop:10s} {stages:6d} {st['regs']:5d} "
-          f"{st['spill']:7d} {st['shared']:7d} {st['cp_async']:8d}")
+          FLAT=bool(flat)), warps)
+      rows.append((name, "flat" if flat else "per token", warps, stages, st))
+  print(f"sm_90, D={a.d} H={a.h} (C = {ca} + {cb}), bf16, G=16; programs an "
+        "SM: as registers and shared memory allow (65,536 registers, 227 KiB)")
+  print(f"{'kernel':16s} {'loop':10s} {'warps':>5s} {'stages':>6s} "
+        f"{'regs':>5s} {'spill B':>7s} {'smem B':>7s} {'cp.async':>8s} "
+        f"{'bar.sync':>8s} {'progs/SM':>8s}")
+  for name, loop, warps, stages, st in rows:
+    progs = min(65536 // (st["regs"] * 32 * warps),
+                227 * 1024 // max(st["shared"], 1), 64 // warps, 32)
+    print(f"{name:16s} {loop:10s} {warps:5d} {stages:6d} {st['regs']:5d} "
+          f"{st['spill']:7d} {st['shared']:7d} {st['cp_async']:8d} "
+          f"{st['bar_sync']:8d} {progs:8d}")
 
 
 if __name__ == "__main__":

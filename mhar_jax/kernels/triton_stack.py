@@ -400,9 +400,10 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
           x_ptr + s0 * nd + srow + row, r_ptr + (s0 + sb) * n64 + n,
           s0 + sb < S, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m, lsum,
           acca, accb, CA, CB, LOWP, EVEN_S, FULL_B)
-      _sites_store(out_ptr, lse_ptr, gout + row, glse + n * H,
-                   tl.where((s0 + SB >= S) & (nn < N), gm, False), ca, cb,
-                   cbm, m, lsum, acca, accb, dt, CA, CB)
+      if s0 + SB >= S:
+        _sites_store(out_ptr, lse_ptr, gout + row, glse + n * H,
+                     tl.where(nn < N, gm, False), ca, cb, cbm, m, lsum, acca,
+                     accb, dt, CA, CB)
   else:
     for i in range(BT):
       n = tile * BT + i
@@ -698,9 +699,10 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
           xoff0 + n * D + k0 * nd, loff0 + n * H + k0 * nh, doff0 + k0,
           k0 + kb < M, ok[:, None] & (k0 + kb < M)[None, :], sa, sb, rg, ca,
           cb, cbm, coef, acca, accb, CA, CB, LOWP, EVEN_M, FULL_B)
-      _sources_store(acc_ptr, coef_ptr, grow + n * D, (g64 * n64 + n) * H + h,
-                     tl.where(k0 + MB >= M, ok, False), ca, cb, cbm, coef,
-                     acca, accb, dt, CA, CB, INIT)
+      if k0 + MB >= M:
+        _sources_store(acc_ptr, coef_ptr, grow + n * D,
+                       (g64 * n64 + n) * H + h, ok, ca, cb, cbm, coef, acca,
+                       accb, dt, CA, CB, INIT)
   else:
     for i in range(BT):
       n = tile * BT + i
