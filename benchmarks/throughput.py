@@ -25,7 +25,9 @@ source-major backward; with Triton its sites in groups of 16 on tensor cores,
 ``mhar_site`` (H=8 with ``routing_backward="site"``); append ``:reference`` or ``:triton`` to force
 the routing implementation (e.g. ``mhar:reference``) and ``+KEY=VALUE`` to
 override a model config key (e.g. ``prenorm+remat=True``; another section's
-with its name, ``mhar+train.loss_chunk_tokens=8192``). Presets are config files in
+with its name, ``mhar+train.loss_chunk_tokens=8192``; a Triton kernel's tuning
+with ``kernels.NAME``, NAME one of ``route``, ``source_grad``, ``sites``,
+``sources``: ``mhar+kernels.sites.flat=True``). Presets are config files in
 ``configs/`` (``100m``, ``350m``, ``1b``, ``bench100m``, ...).
 
 Two phases: first every (preset, scheme) is compiled ahead of time, up to
@@ -60,6 +62,15 @@ SCHEMES = {
     "mhar_site": dict(residual="mhar", routing_heads=8,
                       routing_backward="site"),
 }
+
+
+def kernel_tunings() -> dict:
+  """The Triton kernels' tuning dicts a run may override, by name
+  (``+kernels.NAME.KEY=VALUE``)."""
+  from mhar_jax.kernels import triton_route, triton_stack
+  return {"route": triton_route.TUNING, "source_grad": triton_stack.TUNING,
+          "sites": triton_stack.SITES_TUNING,
+          "sources": triton_stack.SOURCES_TUNING}
 
 
 def load_preset(name):
@@ -99,7 +110,13 @@ def child(preset: str, scheme: str, steps: int, warmup: int,
     except (ValueError, SyntaxError):
       pass
     section, _, key = key.rpartition(".")
-    cfg[section or "model"][key] = value
+    if section.startswith("kernels."):
+      tuning = kernel_tunings()[section.removeprefix("kernels.")]
+      if key not in tuning:
+        raise KeyError(f"{kv}: {section} has no key {key!r} ({sorted(tuning)})")
+      tuning[key] = value
+    else:
+      cfg[section or "model"][key] = value
   cfg.model.routing_impl = impl or routing_impl
   t = cfg.train
   tokens = t.global_batch * t.seq_len
