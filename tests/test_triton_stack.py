@@ -79,6 +79,43 @@ def test_kernel_matches_reference(kernel_module, n_tok, d, h, rows, i, m,
                              atol=1e-5 * float(jnp.abs(dt_ref).max()))
 
 
+@pytest.mark.parametrize("n_tok,d,h,rows,row,g,m,bk,chunk", [
+    (70, 320, 2, 4, 1, 1, 5, 16, 16),   # C = 160: 32-lane blocks; ragged
+    (37, 192, 2, 5, 2, 3, 70, 16, 32),  # C = 96; 70 sites: two site blocks
+    (20, 128, 1, 2, 0, 2, 1, 64, 1024),  # AttnRes: C = 128, one site
+    (33, 64, 4, 3, 2, 1, 16, 8, 8)])    # C = 16; chunks of one step
+@pytest.mark.parametrize("layout", ["source", "group"])
+def test_query_gain_grad_matches_einsum(kernel_module, n_tok, d, h, rows, row,
+                                        g, m, bk, chunk, layout):
+  """``query_gain_grad`` (the query-gain gradient's product over token rows
+  of a buffer, read in place) against the einsum it replaces, for both
+  callers' layouts: one source's ``dlr [M, N, H]`` and a group's ``[G, N,
+  H, M]``."""
+  ts = kernel_module
+  rng = np.random.default_rng(n_tok + m)
+  S = jnp.asarray(rng.normal(size=(rows + g, n_tok, d)), jnp.float32)
+  c = d // h
+  src = S[row:row + g].reshape(g, n_tok, h, c)
+  if layout == "source":
+    g = 1
+    src = src[:1]
+    dlr = jnp.asarray(rng.normal(size=(m, n_tok, h)), jnp.float32)
+    strides = (h, n_tok * h, 1)
+    want = jnp.einsum("mnh,nhc->mhc", dlr, src[0])
+  else:
+    dlr = jnp.asarray(rng.normal(size=(g, n_tok, h, m)), jnp.float32)
+    strides = (h * m, 1, m)
+    want = jnp.einsum("gnhm,gnhc->mhc", dlr, src)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(ts.tr, "_launch", interpreted_launch)
+    mp.setitem(ts.QGRAD_TUNING, "tokens_a_step", bk)
+    mp.setitem(ts.QGRAD_TUNING, "chunk_tokens", chunk)
+    got = ts.query_gain_grad(dlr, strides, S, row, g * n_tok, m, h)
+  assert got.shape == (m, d)
+  np.testing.assert_allclose(got, want.reshape(m, d), rtol=0,
+                             atol=1e-5 * float(jnp.abs(want).max()))
+
+
 @pytest.mark.parametrize("n_tok,d,h,rows,i0,gv,j,m,bt", [
     (5, 320, 2, 12, 2, 4, 6, 5, 2),    # C = 160 = 128 + 32; 4 of 16 rows
     (3, 64, 4, 40, 0, 16, 16, 24, 4),  # two site blocks, the second ragged
@@ -296,7 +333,8 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks):
   """``routed_stack``'s Triton path with groups of sites and of sources under
   a (data=4, model=2) mesh of CPU devices: every kernel wrapper's shard_map
   specs, reshapes and ``dt`` psums, with the local kernels replaced by the
-  jnp functions they compute, against the jnp path without a mesh (with
+  jnp functions they compute (rows of buffers passed in place where the
+  sources are saved), against the jnp path without a mesh (with
   ``project``: the backward's groups of recomputed sources; with
   ``blocks``: block sums summing their shares over each block's span of
   cotangents)."""
@@ -320,9 +358,13 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks):
                                  init, dx_row)
 
   def source_grad_local(s, r, dX, t, lse, xd, i, heads, m=None, init=None,
-                        dx_row=None, partial=False):
+                        dx_row=None, partial=False, s_row=None,
+                        init_row=None):
     if partial:
       calls.append("source")
+    calls.append(("rows", s_row is not None, init_row is not None))
+    s = s if s_row is None else s[s_row]
+    init = init if init_row is None else tuple(x[init_row] for x in init)
     return stack.source_grad(s, r, dX, t, lse, xd, i, h, m, init, dx_row,
                              partial)
 
@@ -350,13 +392,18 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks):
   got = run(stack._Plan(h, 1e-6, "triton", blocks=blk, site_group=4,
                         mesh=mesh, batch_axes=("data",)))
   partials = calls.count("source")
-  calls = [c for c in calls if c != "source"]
+  rows = [c[1:] for c in calls if c[0] == "rows"]
+  calls = [c for c in calls if c != "source" and c[0] != "rows"]
   if blocks is None:
     # forward groups (0, 3), (3, 7), (7, 10); backward groups [2, 6), [0, 2)
     # under [6, 10); recomputed sources: each group's cotangents apart, so
     # [0, 2) takes its share of [2, 6) and [6, 10) in two calls
     assert calls == ["sites"] * 3 + ["sources"] * (2 + bool(project)), calls
     assert partials == 0
+    # the saved sources' buffer: every source a row of it, and every share
+    # of a group below the top a row of that group's sums (sources 0 .. 5)
+    assert rows == ([(False, False)] * 4 + [(False, True)] * 6 if project
+                    else [(True, False)] * 4 + [(True, True)] * 6), rows
   else:   # spans of sites [0, 3), [3, 5), [5, 9), [9]: s_0 continues 3
     assert calls == [] and partials == 3 + 2 + 1, calls
   want = run(stack._Plan(h, 1e-6, "reference", blocks=blk))

@@ -621,12 +621,17 @@ def _stack_bwd(fns, plan, res, g):
 
   def grad_of(k, i, m):
     """Gradient of finished source ``k`` read by sites ``i .. i+m-1``."""
+    if shared and plan.impl == "triton":    # the kernel reads its row in place
+      return _grad_of(cots[0], done_r[k], i, m, s_row=k)
     return _grad_of(source(k), done_r[k], i, m)
 
-  def _grad_of(s, r, i, m):
-    """Gradient of source ``s`` read by sites ``i .. i+m-1``; adds its share
-    of those sites' query-gain gradient to ``dt``."""
+  def _grad_of(s, r, i, m, s_row=None):
+    """Gradient of source ``s`` (``s_row``: row ``s_row`` of the buffer
+    ``s``) read by sites ``i .. i+m-1``; adds its share of those sites'
+    query-gain gradient to ``dt``. The Triton kernels take rows of buffers
+    in place (a slice would be a copy)."""
     nonlocal dt, share
+    init_row = None
     if plan.impl == "triton":
       from mhar_jax.kernels import triton_stack
     init = None
@@ -649,7 +654,11 @@ def _stack_bwd(fns, plan, res, g):
           *part, dtp = settled(part)
           dt = dt.at[lo:lo + rows_m].add(dtp)
         share = (a, *part)
-      init, m = (share[1][i - a], share[2][i - a]), b - i
+      m = b - i
+      if plan.impl == "triton":
+        init, init_row = share[1:], i - a
+      else:
+        init = (share[1][i - a], share[2][i - a])
     if not plan.use_buffers:
       ds, dti = _source_grad_lists(s, r, dxs[i:i + m], xds[i:i + m],
                                    tt[i:i + m], lses[i:i + m], h)
@@ -662,13 +671,13 @@ def _stack_bwd(fns, plan, res, g):
         out = triton_stack.source_grad(
             s, r, buf, rows_t, lse, xd, lo + off, h, plan.mesh,
             plan.batch_axes, m=rows_m, init=init, dx_row=row,
-            partial=not last)
+            partial=not last, s_row=s_row, init_row=init_row)
       else:
         out = source_grad(s, r, buf, rows_t, lse, xd, lo + off, h, rows_m,
                           init, row, partial=not last)
       out = settled(out)
       dt = dt.at[lo:lo + rows_m].add(out[-1])
-      init = out[:2]               # (acc, coef) unless last: (ds, dt)
+      init, init_row = out[:2], None  # (acc, coef) unless last: (ds, dt)
     return out[0]
 
   def settled(outs):

@@ -61,20 +61,22 @@ TUNING: dict = {"elems_per_thread": 24, "warps": 4, "stages": 3}
 
 @triton.jit
 def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
-                       coef_ptr, ds_init, dlr_init, coefo_init, I, IX, M, N,
-                       ds_ptr, dlr_ptr, coefo_ptr,
+                       coef_ptr, ds_init, dlr_init, coefo_init, I, IX, IS, IA,
+                       M, N, ds_ptr, dlr_ptr, coefo_ptr,
                        D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                        HP: tl.constexpr, CA: tl.constexpr, CB: tl.constexpr,
                        BN: tl.constexpr, STAGES: tl.constexpr,
                        INIT: tl.constexpr, PARTIAL: tl.constexpr):
   """One token tile of the gradient of one source from all its readers.
 
-  ``s_ptr [N, D]`` (source dtype), ``r_ptr [N]`` fp32, ``t_ptr [R, D]``
-  fp32, ``lse_ptr``/``xd_ptr [R, N, H]`` fp32, rows ``I .. I+M-1`` used;
-  ``dx_ptr [R', N, D]`` the site cotangents, site ``I + k`` in row ``IX +
-  k``. INIT: the sums include the share of
-  later sites, ``acc_ptr [N, D]`` (source dtype) and ``coef_ptr [N, H]`` fp32
-  (:func:`sources_partial`); otherwise those are unused. Outputs
+  ``s_ptr [R_s, N, D]`` (source dtype), the source in row ``IS``; ``r_ptr
+  [N]`` fp32, ``t_ptr [R, D]`` fp32, ``lse_ptr``/``xd_ptr [R, N, H]`` fp32,
+  rows ``I .. I+M-1`` used; ``dx_ptr [R', N, D]`` the site cotangents, site
+  ``I + k`` in row ``IX + k``. INIT: the sums include the share of later
+  sites, row ``IA`` of ``acc_ptr [R_a, N, D]`` (source dtype) and of
+  ``coef_ptr [R_a, N, H]`` fp32 (:func:`sources_partial`); otherwise those
+  are unused. Rows are read in place, so no caller slices (copies) a row
+  out of a buffer. Outputs
   ``ds_ptr [N, D]`` (source dtype) and
   ``dlr_ptr [M, N, H]`` fp32. PARTIAL: the sums are left for earlier sites
   to continue: ``ds_ptr`` gets ``acc`` and ``coefo_ptr [N, H]`` fp32 ``coef``
@@ -88,15 +90,15 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
   base, offa, mska, offb, mskb, hbase, hoff, hmask = _rows(
       tile, N, cola, cmska, colb, cmskb, D, H, HP, BN)
   rows, rmask = _token_ids(tile, N, BN)
-  xa, xb = _load(s_ptr, base, offa, mska, offb, mskb, CB)
+  n64 = N + tl.zeros((), tl.int64)          # N may be specialised to 1
+  nd = n64 * D
+  nh = n64 * H
+  xa, xb = _load(s_ptr + IS * nd, base, offa, mska, offb, mskb, CB)
   xa = xa.to(tl.float32)
   xb = xb.to(tl.float32)
   r = tl.load(r_ptr + rows, mask=rmask, other=0.0)
   acca, accb = _zeros(BN, HP, CA, CB)
   coef = tl.zeros((BN, HP), tl.float32)
-  n64 = N + tl.zeros((), tl.int64)          # N may be specialised to 1
-  nd = n64 * D
-  nh = n64 * H
   for k in tl.range(0, M, num_stages=STAGES):
     j = (I + k).to(tl.int64)
     jx = (IX + k).to(tl.int64)
@@ -118,7 +120,7 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
   # INIT: the later sites' share joins after the loop, its accumulator last
   # (loaded before the loop it held 155 registers against 127, D 1280).
   if INIT:
-    coef += tl.load(coef_ptr + hbase + hoff, mask=hmask, other=0.0)
+    coef += tl.load(coef_ptr + IA * nh + hbase + hoff, mask=hmask, other=0.0)
   if PARTIAL:
     tl.store(coefo_ptr + hbase + hoff, coef, mask=hmask)
     outa = acca
@@ -128,7 +130,7 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
     outa = acca - scale * xa
     outb = accb - scale * xb
   if INIT:
-    ia, ib = _load(acc_ptr, base, offa, mska, offb, mskb, CB)
+    ia, ib = _load(acc_ptr + IA * nd, base, offa, mska, offb, mskb, CB)
     outa += ia.to(tl.float32)
     outb += ib.to(tl.float32)
   _store(ds_ptr, base, offa, mska, offb, mskb, outa, outb, CB)
@@ -141,36 +143,141 @@ def tokens_per_program(d: int, h: int) -> int:
 
 def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
                       m: int | None = None, init=None,
-                      dx_row: int | None = None, partial: bool = False):
+                      dx_row: int | None = None, partial: bool = False,
+                      s_row: int | None = None, init_row: int | None = None):
   """One source's gradient on local (unsharded) arrays.
 
-  ``s [N, D]``, ``r [N]``, ``t [R, D]``, ``lse``/``xd [R, N, H]``; sites
+  ``s [N, D]`` (with ``s_row``: a buffer ``[R_s, N, D]`` holding the source
+  in that row), ``r [N]``, ``t [R, D]``, ``lse``/``xd [R, N, H]``; sites
   ``i .. i+m-1`` read the source (``m`` defaults to ``R - i``); ``dX [R', N,
   D]`` holds their cotangents from row ``dx_row`` (default ``i``);
   ``init``: None or ``(acc [N, D], coef [N, H])``, the share of later sites
-  (:func:`sources_partial_local`, or this with ``partial``). Returns ``(ds
-  [N, D], dt [m, D])`` with ``dt`` this source's share of the query-gain
-  gradient of those sites; ``partial``: ``(acc [N, D], coef [N, H], dt)``,
-  the share of those sites (and ``init``'s) for earlier sites to continue.
+  (:func:`sources_partial_local`, or this with ``partial``; with
+  ``init_row``: buffers ``[R_a, N, D]``, ``[R_a, N, H]`` holding it in that
+  row). Buffers are read in place: a row sliced out of one would be a copy.
+  Returns ``(ds [N, D], dt [m, D])`` with ``dt`` this source's share of the
+  query-gain gradient of those sites; ``partial``: ``(acc [N, D], coef [N,
+  H], dt)``, the share of those sites (and ``init``'s) for earlier sites to
+  continue.
   """
-  n, d = s.shape
+  S = s[None] if s_row is None else s
+  _, n, d = S.shape
   m = t.shape[0] - i if m is None else m
   dx_row = i if dx_row is None else dx_row
   c = d // h
   bn = tokens_per_program(d, h)
-  acc, coef = (s, r) if init is None else init     # unused when not INIT
+  if init is None:
+    acc, coef = S, r                      # unused when not INIT
+  else:
+    acc, coef = init if init_row is not None else (x[None] for x in init)
   ds, dlr, coef_out = tr._launch(
-      source_grad_kernel, [s, r.astype(jnp.float32), dX, t, lse, xd, acc,
-                           coef], [i, dx_row, m, n],
-      [jax.ShapeDtypeStruct((n, d), s.dtype),
+      source_grad_kernel, [S, r.astype(jnp.float32), dX, t, lse, xd, acc,
+                           coef], [i, dx_row, s_row or 0, init_row or 0, m, n],
+      [jax.ShapeDtypeStruct((n, d), S.dtype),
        jax.ShapeDtypeStruct((m, n, h), jnp.float32),
        jax.ShapeDtypeStruct((n, h) if partial else (1,), jnp.float32)],
       grid=(triton.cdiv(n, bn),), num_warps=TUNING["warps"],
       poison=tr.POISON, dummy=t, **tile_meta(d, h), BN=bn,
       STAGES=TUNING["stages"], INIT=init is not None, PARTIAL=partial)
-  dt = jnp.einsum("mnh,nhc->mhc", dlr,
-                  s.astype(jnp.float32).reshape(n, h, c)).reshape(m, d)
+  if _channel_block(c):                   # the buffer's row read in place
+    dt = query_gain_grad(dlr, (h, n * h, 1), S, s_row or 0, n, m, h)
+  else:
+    dt = jnp.einsum("mnh,nhc->mhc", dlr, S[s_row or 0].astype(
+        jnp.float32).reshape(n, h, c)).reshape(m, d)
   return (ds, coef_out, dt) if partial else (ds, dt)
+
+
+# The query-gain gradient's product, ``dt[m, c] = sum_k dlr[k, m, h(c)]
+# S[k, c]`` over the K token rows of a buffer the source kernels read (one
+# source's N tokens, or a group's G x N), on tensor cores. XLA's product would
+# read a row range of a buffer that the backward updates in place only after
+# copying it out (XLA fuses a slice into a product's operand only from a
+# parameter); this reads the rows in place. Programs: a block of BC channels
+# (within one head) x a chunk of at least ``chunk_tokens`` tokens (at most
+# ``max_chunks`` chunks) x a block of up to 64 sites, each writing its chunk's
+# partial sum; XLA adds the chunks. Not yet timed on the GPU.
+QGRAD_TUNING: dict = {"tokens_a_step": 64, "chunk_tokens": 1024,
+                      "max_chunks": 64, "warps": 4, "stages": 3}
+
+
+@triton.jit
+def query_gain_grad_kernel(d_ptr, s_ptr, out_init, K, M, SK, SM, SH, S0, KC,
+                           out_ptr, D: tl.constexpr, C: tl.constexpr,
+                           BC: tl.constexpr, MB: tl.constexpr,
+                           BK: tl.constexpr, STAGES: tl.constexpr,
+                           LOWP: tl.constexpr):
+  """Channels ``[BC p0, BC (p0 + 1))`` (head ``h``), tokens ``[KC p1, KC (p1
+  + 1))``, sites ``[MB p2, MB (p2 + 1))``::
+
+      out[p1, m, c] = sum_k d[k SK + m SM + h SH] * s[S0 + k D + c]
+
+  ``d_ptr`` fp32, ``s_ptr`` a buffer of rows ``[.., D]`` (K of them from
+  element ``S0``), ``out_ptr [chunks, M, D]`` fp32 (``out_init``: unused, as
+  in ``triton_route._launch``). LOWP (16-bit ``s``): ``d`` as two 16-bit
+  terms (hi + lo, ~16 bits), else exact fp32 products.
+  """
+  col0 = tl.program_id(0) * BC
+  chunk = tl.program_id(1)
+  ms = tl.program_id(2) * MB + tl.arange(0, MB)
+  mm = ms < M
+  h = col0 // C
+  cols = col0 + tl.arange(0, BC)
+  kb = tl.arange(0, BK)
+  dt = s_ptr.dtype.element_ty
+  drow = d_ptr + ms.to(tl.int64)[:, None] * SM + h * SH
+  srow = s_ptr + S0.to(tl.int64) + cols[None, :]
+  k_lo = chunk * KC
+  k_hi = tl.minimum(K, k_lo + KC)
+  acc = tl.zeros((MB, BC), tl.float32)
+  for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+    ks = (k0 + kb).to(tl.int64)
+    km = ks < k_hi
+    dl = tl.load(drow + ks[None, :] * SK, mask=mm[:, None] & km[None, :],
+                 other=0.0)
+    sv = tl.load(srow + ks[:, None] * D, mask=km[:, None], other=0.0)
+    if LOWP:
+      hi = dl.to(dt)
+      acc += tl.dot(hi, sv) + tl.dot((dl - hi.to(tl.float32)).to(dt), sv)
+    else:
+      acc += tl.dot(dl, sv.to(tl.float32), input_precision="ieee")
+  tl.store(out_ptr + (chunk * M + ms.to(tl.int64))[:, None] * D + cols[None, :],
+           acc, mask=mm[:, None])
+
+
+def _channel_block(c: int) -> int:
+  """Channels a program of :func:`query_gain_grad_kernel` takes: the largest
+  power of two dividing ``c``, at most 128 (0 when under 16, ``tl.dot``'s
+  minimum)."""
+  bc = min(c & -c, 128)
+  return bc if bc >= 16 else 0
+
+
+def query_gain_grad(dlr, strides, S, row: int, k: int, m: int, h: int):
+  """``dt [m, D]`` fp32: ``sum_k dlr[k, j, head] S_k`` over the ``k`` token
+  rows of ``S [R, N, D]`` from row ``row`` (``row`` x N tokens in), where
+  ``dlr``'s element (token k, site j, head) is at ``k SK + j SM + head SH``
+  for ``strides = (SK, SM, SH)``. Reads ``S`` in place; needs a head width
+  with a power-of-two divisor >= 16 (:func:`_channel_block`)."""
+  _, n, d = S.shape
+  c = d // h
+  bc = _channel_block(c)
+  if not bc:
+    raise ValueError(f"query_gain_grad: {c} channels a head have no power-of"
+                     "-two block of at least 16 lanes")
+  tu = QGRAD_TUNING
+  bk = int(tu["tokens_a_step"])
+  kc = max(int(tu["chunk_tokens"]), triton.cdiv(k, int(tu["max_chunks"])))
+  kc = triton.cdiv(kc, bk) * bk
+  chunks = triton.cdiv(k, kc)
+  mb = min(64, max(16, 1 << (m - 1).bit_length()))
+  (part,) = tr._launch(
+      query_gain_grad_kernel, [dlr, S],
+      [k, m, *strides, row * n * d, kc],
+      [jax.ShapeDtypeStruct((chunks, m, d), jnp.float32)],
+      grid=(d // bc, chunks, triton.cdiv(m, mb)), num_warps=int(tu["warps"]),
+      poison=tr.POISON, dummy=dlr, D=d, C=c, BC=bc, MB=mb, BK=bk,
+      STAGES=int(tu["stages"]), LOWP=S.dtype != jnp.float32)
+  return part.sum(0)
 
 
 def _specs(batch_axes, lead: int):
@@ -187,26 +294,31 @@ def _specs(batch_axes, lead: int):
 
 def source_grad(s, r, dX, t, lse, xd, i: int, h: int, mesh=None,
                 batch_axes=(), m: int | None = None, init=None,
-                dx_row: int | None = None, partial: bool = False):
-  """:func:`source_grad_local` on ``[tokens, ...]`` arrays (``init``: None or
-  ``(acc [tokens..., D], coef [tokens..., H])``, as ``partial`` returns
-  them), under ``shard_map`` over the batch axes of ``mesh`` when given
-  (``dt`` psummed)."""
+                dx_row: int | None = None, partial: bool = False,
+                s_row: int | None = None, init_row: int | None = None):
+  """:func:`source_grad_local` on ``[tokens, ...]`` arrays (``s``: ``[tokens...,
+  D]``, or a buffer ``[R_s, tokens..., D]`` with ``s_row``; ``init``: None or
+  ``(acc [tokens..., D], coef [tokens..., H])``, as ``partial`` returns them,
+  or buffers of such rows with ``init_row``), under ``shard_map`` over the
+  batch axes of ``mesh`` when given (``dt`` psummed)."""
   from jax.sharding import PartitionSpec as P
-  lead = s.shape[:-1]
+  lead = s.shape[:-1] if s_row is None else s.shape[1:-1]
+
+  def flat(x, rows):
+    return x.reshape(x.shape[0], -1, x.shape[-1]) if rows else x.reshape(
+        -1, x.shape[-1])
 
   def local(s, r, dX, t, lse, xd, *init):
-    loc = s.shape[:-1]
     out = source_grad_local(
-        s.reshape(-1, s.shape[-1]), r.reshape(-1),
-        dX.reshape(dX.shape[0], -1, dX.shape[-1]), t,
-        lse.reshape(lse.shape[0], -1, h), xd.reshape(xd.shape[0], -1, h), i, h,
-        m, tuple(x.reshape(-1, x.shape[-1]) for x in init) or None, dx_row,
-        partial)
+        flat(s, s_row is not None), r.reshape(-1), flat(dX, True), t,
+        flat(lse, True), flat(xd, True), i, h, m,
+        tuple(flat(x, init_row is not None) for x in init) or None, dx_row,
+        partial, s_row, init_row)
     dt = out[-1]
     if mesh is not None and batch_axes:
       dt = jax.lax.psum(dt, batch_axes)
-    sums = (out[0].reshape(*loc, s.shape[-1]),
+    loc = r.shape
+    sums = (out[0].reshape(*loc, out[0].shape[-1]),
             *(x.reshape(*loc, h) for x in out[1:-1]))
     return (*sums, dt)
 
@@ -215,8 +327,10 @@ def source_grad(s, r, dX, t, lse, xd, i: int, h: int, mesh=None,
     return local(s, r, dX, t, lse, xd, *init)
   tok, tok_r, site, _ = _specs(batch_axes, len(lead))
   return jax.shard_map(local, mesh=mesh,
-                       in_specs=(tok, tok_r, site, P(), site, site,
-                                 *(tok for _ in init)),
+                       in_specs=(tok if s_row is None else site, tok_r, site,
+                                 P(), site, site,
+                                 *((tok if init_row is None else site)
+                                   for _ in init)),
                        out_specs=(tok, *([tok] * partial), P()),
                        check_vma=False)(s, r, dX, t, lse, xd, *init)
 
@@ -633,7 +747,7 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
   ``tlo_ptr`` unused), ``lse_ptr``/``xd_ptr [R', N, H]`` fp32; ``dx_ptr
   [R'', N, D]`` the site cotangents, site ``J0 + k`` in row ``JX + k``.
   Outputs ``acc_ptr [GV, N, D]`` (sources' dtype), ``coef_ptr [GV, N, H]``
-  fp32 and ``dlr_ptr [N, H, GV, M]`` fp32 (``dlogit * r`` of every pair, for
+  fp32 and ``dlr_ptr [GV, N, H, M]`` fp32 (``dlogit * r`` of every pair, for
   the query-gain gradient; ``*_init``: unused, as in
   ``triton_route._launch``). INIT: ``acc_ptr``/``coef_ptr`` hold the share of
   other sites on entry (the caller aliases them to ``acc_in``/``coef_in``),
@@ -675,7 +789,7 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
   g64 = g.to(tl.int64)
   srow = (I0 + g).to(tl.int64) * nd + h * C
   grow = g64 * nd + h * C
-  doff0 = g[:, None] * M + kb[None, :]
+  doff0 = g64[:, None] * nh * M + kb[None, :]   # + the token's (n H + h) M
   coef = tl.zeros((G,), tl.float32)
   acca = tl.zeros((G, CA), tl.float32)
   accb = tl.zeros((G, CB if CB > 0 else CA), tl.float32)
@@ -695,7 +809,7 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
       ok = tl.where(nn < N, gm, False)      # rows of a token that exists
       coef, acca, accb = _sources_block(
           t_ptr, tlo_ptr, dx_ptr, lse_ptr, xd_ptr,
-          dlr_ptr + (n * H + h) * GV * M, toff0 + k0 * D,
+          dlr_ptr + (n * H + h) * M, toff0 + k0 * D,
           xoff0 + n * D + k0 * nd, loff0 + n * H + k0 * nh, doff0 + k0,
           k0 + kb < M, ok[:, None] & (k0 + kb < M)[None, :], sa, sb, rg, ca,
           cb, cbm, coef, acca, accb, CA, CB, LOWP, EVEN_M, FULL_B)
@@ -717,7 +831,7 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
         for k0 in tl.range(0, M, MB, num_stages=STAGES):
           coef, acca, accb = _sources_block(
               t_ptr, tlo_ptr, dx_ptr, lse_ptr, xd_ptr,
-              dlr_ptr + (nt * H + h) * GV * M, toff0 + k0 * D,
+              dlr_ptr + (nt * H + h) * M, toff0 + k0 * D,
               xoff0 + nt * D + k0 * nd, loff0 + nt * H + k0 * nh, doff0 + k0,
               k0 + kb < M, gm[:, None] & (k0 + kb < M)[None, :], sa, sb, rg,
               ca, cb, cbm, coef, acca, accb, CA, CB, LOWP, EVEN_M, FULL_B)
@@ -752,12 +866,15 @@ def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
       [int(i0), gv, int(j), int(j if dx_row is None else dx_row), int(m), n],
       [jax.ShapeDtypeStruct((gv, n, d), S.dtype),
        jax.ShapeDtypeStruct((gv, n, h), jnp.float32),
-       jax.ShapeDtypeStruct((n, h, gv, m), jnp.float32)],
+       jax.ShapeDtypeStruct((gv, n, h, m), jnp.float32)],
       S.dtype, n, d, h, gv, carry={0: 7, 1: 8} if init is not None else None,
       MB=mb, EVEN_M=m % mb == 0, INIT=init is not None)
   c = d // h
-  src = S[i0:i0 + gv].astype(jnp.float32).reshape(gv, n, h, c)
-  dt = jnp.einsum("nhgm,gnhc->mhc", dlr, src).reshape(m, d)
+  if _channel_block(c):                   # the buffer's rows read in place
+    dt = query_gain_grad(dlr, (h * m, 1, m), S, i0, gv * n, m, h)
+  else:
+    dt = jnp.einsum("gnhm,gnhc->mhc", dlr, S[i0:i0 + gv].astype(
+        jnp.float32).reshape(gv, n, h, c)).reshape(m, d)
   return acc, coef, dt
 
 
