@@ -4,7 +4,7 @@
         [--variants 0x4x3,1x4x3,1x1x3]
 
 Compiles ``triton_stack.sites_kernel`` and ``sources_kernel`` (both loop
-forms, ``FLAT``) for sm_90 as jax-triton would launch them at width ``D``
+forms, ``FLAT``) and ``query_gain_grad_kernel`` (16 sites) for sm_90 as jax-triton would launch them at width ``D``
 with ``H`` heads, bf16, 16 rows, the tokens a program of ``SITES_TUNING`` /
 ``SOURCES_TUNING``, for each variant (loop form x warps x pipeline stages),
 and prints the registers a thread, spilled bytes (``ptxas -v``), shared
@@ -96,6 +96,16 @@ def main():
           shape, **meta, BT=int(tu["tokens_per_program"]), STAGES=stages,
           FLAT=bool(flat)), warps)
       rows.append((name, "flat" if flat else "per token", warps, stages, st))
+  qt = ts.QGRAD_TUNING
+  st = compile_stats(
+      ts.query_gain_grad_kernel,
+      dict(d_ptr=p32, s_ptr=p16, out_init=p32, K="i32", M="i32", SK="i32",
+           SM="i32", SH="i32", S0="i64", KC="i32", out_ptr=p32),
+      dict(D=a.d, C=c, BC=ts._channel_block(c), MB=16,
+           BK=int(qt["tokens_a_step"]), STAGES=int(qt["stages"]), LOWP=True),
+      int(qt["warps"]))
+  rows.append(("query_gain_grad", "-", int(qt["warps"]), int(qt["stages"]),
+               st))
   print(f"sm_90, D={a.d} H={a.h} (C = {ca} + {cb}), bf16, G=16; programs an "
         "SM: as registers and shared memory allow (65,536 registers, 227 KiB)")
   print(f"{'kernel':16s} {'loop':10s} {'warps':>5s} {'stages':>6s} "

@@ -259,3 +259,31 @@ def test_group_kernels_split_cotangents(monkeypatch, dtype, d, heads, gv, m1,
   for a, b in [*zip(got, want), *zip(ds, want_ds), *zip(both, want_both)]:
     assert a.shape == b.shape
     assert rel(a, b) <= TOL[dtype], rel(a, b)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("d,heads,g,m", [(1280, 8, 1, 37), (1280, 8, 16, 48),
+                                         (1024, 1, 1, 73), (512, 16, 9, 5)])
+def test_query_gain_grad_matches_einsum(dtype, d, heads, g, m):
+  """The query-gain gradient's product over token rows of a buffer (read in
+  place; 1000 tokens a row: ragged chunks) against the einsum at the
+  highest precision, in both callers' layouts of ``dlr``; output poisoned
+  first."""
+  from mhar_jax.kernels import triton_route, triton_stack
+  n_tok, row = 1000, 2
+  ks = jax.random.split(jax.random.key(d + g + m), 2)
+  S = jax.random.normal(ks[0], (row + g + 1, n_tok, d)).astype(dtype)
+  src = S[row:row + g].astype(jnp.float32).reshape(g, n_tok, heads, -1)
+  if g == 1:
+    dlr = jax.random.normal(ks[1], (m, n_tok, heads))
+    strides, spec = (heads, n_tok * heads, 1), "mnh,nhc->mhc"
+    src = src[0]
+  else:
+    dlr = jax.random.normal(ks[1], (g, n_tok, heads, m))
+    strides, spec = (heads * m, 1, m), "gnhm,gnhc->mhc"
+  with jax.default_matmul_precision("highest"):
+    want = jnp.einsum(spec, dlr, src).reshape(m, d)
+  with triton_route.poison_outputs():
+    got = jax.jit(lambda dlr, S: triton_stack.query_gain_grad(
+        dlr, strides, S, row, g * n_tok, m, heads))(dlr, S)
+  assert rel(got, want) <= (1e-5 if dtype == jnp.float32 else 1e-4)
