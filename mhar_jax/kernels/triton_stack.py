@@ -8,6 +8,8 @@
   their gradients, at once on tensor cores (the grouped backward's first
   phase; ``source_grad_kernel`` with ``INIT`` then adds each source's own
   group's sites).
+* ``query_gain_grad_kernel``: the query-gain gradient's product over the
+  token rows of a buffer, for both of the above.
 
 One launch per source ``i`` computes, for every token, the gradient of ``s_i``
 from all ``M = n + 1 - i`` sites that read it (``stack.source_grad``, its jnp reference)::
@@ -19,12 +21,15 @@ from all ``M = n + 1 - i`` sites that read it (``stack.source_grad``, its jnp re
     ds_i = acc - (sum_h coef) r_i^2 / D * s_i
 
 and writes ``dlogit * r_i`` (``[M, N, H]`` fp32) from which the query-gain
-gradient ``dt_j += sum_n (dlogit r_i)[n, h] s_i[n, c]`` is one small einsum in
-XLA (one more read of ``s_i``). The site cotangents, statistics and queries
-live in whole-stack buffers (``dX [n+1, N, D]``, ``lse``/``xd [n+1, N, H]``,
-``t [n+1, D]``) read from row ``i`` on, so the kernel has a runtime loop over
-sites, compiles once for every source, and never slices (copies) a buffer.
-Bytes per source: ``s_i`` once, each ``dx_j`` once, ``ds_i`` once.
+gradient ``dt_j += sum_n (dlogit r_i)[n, h] s_i[n, c]`` is one small product
+(``query_gain_grad``: one more read of ``s_i``). The sources, the site
+cotangents, statistics and queries live in buffers (``dX [n+1, N, D]``,
+``lse``/``xd [n+1, N, H]``, ``t [n+1, D]``) that every kernel reads at a row
+offset, so the kernel has a runtime loop over sites, compiles once for every
+source, and nothing slices a buffer (XLA copies a row sliced out of a buffer
+the backward updates in place: 34 GiB a microbatch at 1b before the kernels
+took rows; ``benchmarks/hlo_copies.py``). Bytes per source: ``s_i`` once,
+each ``dx_j`` once, ``ds_i`` once.
 
 Tiles follow :mod:`mhar_jax.kernels.triton_route`: a program owns ``BN`` whole
 tokens, each row viewed as two power-of-two parts per head, ``[HP, CA]`` and
