@@ -394,16 +394,19 @@ def _stack_fwd(h, params, queries, gains, consts, fns, plan):
 
 def source_grad(s, r, dX, t, lse, xd, i: int, num_heads: int,
                 m: int | None = None, init=None, dx_row: int | None = None,
-                partial: bool = False):
+                partial: bool = False, s_row: int | None = None,
+                init_row: int | None = None):
   """The gradient of a source from the sites ``i .. i+m-1`` that read it.
 
-  ``s [..., D]``, ``r [...]``; whole-stack buffers ``t [R, D]`` (query *
+  ``s [..., D]`` (``s_row``: row ``s_row`` of the buffer ``s``), ``r [...]``;
+  whole-stack buffers ``t [R, D]`` (query *
   gain), ``lse``/``xd [R, ..., H]`` (the sites' log-sum-exp and ``<dx_j,
   x_j>`` per head), read from row ``i``, ``m`` rows (default: to the end,
   ``R - i``); ``dX [R', ..., D]`` the sites' cotangents, read from row
   ``dx_row`` (default ``i``). ``init``: None, or the contribution of later
   sites, ``(acc [..., D], coef [..., H])`` from :func:`sources_partial` or
-  ``partial``, which this continues.
+  ``partial`` (``init_row``: that row of each of two buffers), which this
+  continues.
   Returns ``(ds [..., D]`` in ``s``'s dtype, ``dt [m, D]`` float32: this
   source's share of those sites' query-gain gradient); ``partial``: ``(acc
   [..., D]`` in ``s``'s dtype, ``coef [..., H]`` float32, ``dt)``, the sums
@@ -414,6 +417,9 @@ def source_grad(s, r, dX, t, lse, xd, i: int, num_heads: int,
   reduces over sites with multiply-and-sum, not contractions that would
   materialise a float32 copy of the slice.
   """
+  s = s if s_row is None else s[s_row]
+  if init is not None and init_row is not None:
+    init = tuple(x[init_row] for x in init)
   d = s.shape[-1]
   m = t.shape[0] - i if m is None else m
   x0 = i if dx_row is None else dx_row
@@ -621,15 +627,14 @@ def _stack_bwd(fns, plan, res, g):
 
   def grad_of(k, i, m):
     """Gradient of finished source ``k`` read by sites ``i .. i+m-1``."""
-    if shared and plan.impl == "triton":    # the kernel reads its row in place
+    if shared:       # its row of the buffer, read in place (a slice: a copy)
       return _grad_of(cots[0], done_r[k], i, m, s_row=k)
     return _grad_of(source(k), done_r[k], i, m)
 
   def _grad_of(s, r, i, m, s_row=None):
     """Gradient of source ``s`` (``s_row``: row ``s_row`` of the buffer
     ``s``) read by sites ``i .. i+m-1``; adds its share of those sites'
-    query-gain gradient to ``dt``. The Triton kernels take rows of buffers
-    in place (a slice would be a copy)."""
+    query-gain gradient to ``dt``."""
     nonlocal dt, share
     init_row = None
     if plan.impl == "triton":
@@ -654,11 +659,7 @@ def _stack_bwd(fns, plan, res, g):
           *part, dtp = settled(part)
           dt = dt.at[lo:lo + rows_m].add(dtp)
         share = (a, *part)
-      m = b - i
-      if plan.impl == "triton":
-        init, init_row = share[1:], i - a
-      else:
-        init = (share[1][i - a], share[2][i - a])
+      init, init_row, m = share[1:], i - a, b - i   # rows of the share
     if not plan.use_buffers:
       ds, dti = _source_grad_lists(s, r, dxs[i:i + m], xds[i:i + m],
                                    tt[i:i + m], lses[i:i + m], h)
@@ -674,7 +675,8 @@ def _stack_bwd(fns, plan, res, g):
             partial=not last, s_row=s_row, init_row=init_row)
       else:
         out = source_grad(s, r, buf, rows_t, lse, xd, lo + off, h, rows_m,
-                          init, row, partial=not last)
+                          init, row, partial=not last, s_row=s_row,
+                          init_row=init_row)
       out = settled(out)
       dt = dt.at[lo:lo + rows_m].add(out[-1])
       init, init_row = out[:2], None  # (acc, coef) unless last: (ds, dt)
