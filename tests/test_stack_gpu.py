@@ -275,8 +275,8 @@ def test_query_gain_grad_matches_einsum(dtype, d, heads, g, m):
   S = jax.random.normal(ks[0], (row + g + 1, n_tok, d)).astype(dtype)
   src = S[row:row + g].astype(jnp.float32).reshape(g, n_tok, heads, -1)
   if g == 1:
-    dlr = jax.random.normal(ks[1], (m, n_tok, heads))
-    strides, spec = (heads, n_tok * heads, 1), "mnh,nhc->mhc"
+    dlr = jax.random.normal(ks[1], (m, heads, n_tok))
+    strides, spec = (1, heads * n_tok, n_tok), "mhn,nhc->mhc"
     src = src[0]
   else:
     dlr = jax.random.normal(ks[1], (g, n_tok, heads, m))

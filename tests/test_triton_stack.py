@@ -89,7 +89,7 @@ def test_query_gain_grad_matches_einsum(kernel_module, n_tok, d, h, rows, row,
                                         g, m, bk, chunk, layout):
   """``query_gain_grad`` (the query-gain gradient's product over token rows
   of a buffer, read in place) against the einsum it replaces, for both
-  callers' layouts: one source's ``dlr [M, N, H]`` and a group's ``[G, N,
+  callers' layouts: one source's ``dlr [M, H, N]`` and a group's ``[G, N,
   H, M]``."""
   ts = kernel_module
   rng = np.random.default_rng(n_tok + m)
@@ -99,9 +99,9 @@ def test_query_gain_grad_matches_einsum(kernel_module, n_tok, d, h, rows, row,
   if layout == "source":
     g = 1
     src = src[:1]
-    dlr = jnp.asarray(rng.normal(size=(m, n_tok, h)), jnp.float32)
-    strides = (h, n_tok * h, 1)
-    want = jnp.einsum("mnh,nhc->mhc", dlr, src[0])
+    dlr = jnp.asarray(rng.normal(size=(m, h, n_tok)), jnp.float32)
+    strides = (1, h * n_tok, n_tok)
+    want = jnp.einsum("mhn,nhc->mhc", dlr, src[0])
   else:
     dlr = jnp.asarray(rng.normal(size=(g, n_tok, h, m)), jnp.float32)
     strides = (h * m, 1, m)

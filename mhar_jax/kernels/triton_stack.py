@@ -20,7 +20,7 @@ from all ``M = n + 1 - i`` sites that read it (``stack.source_grad``, its jnp re
       acc   += w dx_j + (dlogit r_i) t_j          coef += dlogit logit
     ds_i = acc - (sum_h coef) r_i^2 / D * s_i
 
-and writes ``dlogit * r_i`` (``[M, N, H]`` fp32) from which the query-gain
+and writes ``dlogit * r_i`` (``[M, H, N]`` fp32) from which the query-gain
 gradient ``dt_j += sum_n (dlogit r_i)[n, h] s_i[n, c]`` is one small product
 (``query_gain_grad``: one more read of ``s_i``). The sources, the site
 cotangents, statistics and queries live in buffers (``dX [n+1, N, D]``,
@@ -83,7 +83,8 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
   are unused. Rows are read in place, so no caller slices (copies) a row
   out of a buffer. Outputs
   ``ds_ptr [N, D]`` (source dtype) and
-  ``dlr_ptr [M, N, H]`` fp32. PARTIAL: the sums are left for earlier sites
+  ``dlr_ptr [M, H, N]`` fp32 (heads major: the query-gain product reads a
+  head's tokens contiguously). PARTIAL: the sums are left for earlier sites
   to continue: ``ds_ptr`` gets ``acc`` and ``coefo_ptr [N, H]`` fp32 ``coef``
   (otherwise unused). Parameter order is ``triton_route._launch``'s:
   inputs, an unused init per output (poisoned when testing), runtime scalars
@@ -99,6 +100,7 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
   nd = n64 * D
   nh = n64 * H
   xa, xb = _load(s_ptr + IS * nd, base, offa, mska, offb, mskb, CB)
+  doff = tl.arange(0, HP).to(tl.int64)[None, :] * n64 + rows[:, None]
   xa = xa.to(tl.float32)
   xb = xb.to(tl.float32)
   r = tl.load(r_ptr + rows, mask=rmask, other=0.0)
@@ -121,7 +123,7 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
     if CB > 0:
       accb += w[:, :, None] * dxb + dlr[:, :, None] * tkb[None, :, :]
     coef += dl * logit
-    tl.store(dlr_ptr + k * nh + hbase + hoff, dlr, mask=hmask)
+    tl.store(dlr_ptr + k * nh + doff, dlr, mask=hmask)
   # INIT: the later sites' share joins after the loop, its accumulator last
   # (loaded before the loop it held 155 registers against 127, D 1280).
   if INIT:
@@ -179,15 +181,15 @@ def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
       source_grad_kernel, [S, r.astype(jnp.float32), dX, t, lse, xd, acc,
                            coef], [i, dx_row, s_row or 0, init_row or 0, m, n],
       [jax.ShapeDtypeStruct((n, d), S.dtype),
-       jax.ShapeDtypeStruct((m, n, h), jnp.float32),
+       jax.ShapeDtypeStruct((m, h, n), jnp.float32),
        jax.ShapeDtypeStruct((n, h) if partial else (1,), jnp.float32)],
       grid=(triton.cdiv(n, bn),), num_warps=TUNING["warps"],
       poison=tr.POISON, dummy=t, **tile_meta(d, h), BN=bn,
       STAGES=TUNING["stages"], INIT=init is not None, PARTIAL=partial)
   if _channel_block(c):                   # the buffer's row read in place
-    dt = query_gain_grad(dlr, (h, n * h, 1), S, s_row or 0, n, m, h)
+    dt = query_gain_grad(dlr, (1, h * n, n), S, s_row or 0, n, m, h)
   else:
-    dt = jnp.einsum("mnh,nhc->mhc", dlr, S[s_row or 0].astype(
+    dt = jnp.einsum("mhn,nhc->mhc", dlr, S[s_row or 0].astype(
         jnp.float32).reshape(n, h, c)).reshape(m, d)
   return (ds, coef_out, dt) if partial else (ds, dt)
 
