@@ -686,11 +686,13 @@ def _sources_block(t_ptr, tlo_ptr, dx_ptr, lse_ptr, xd_ptr, dlr_ptr, toff,
   dlr = dl * rg[:, None]
   coef += tl.sum(dl * logit, axis=1)
   tl.store(dlr_ptr + doff, dlr, mask=dmask)
+  # ``dlogit r`` enters in 16 bits, so the queries' low term would add
+  # precision below its rounding: one product with the high term (LOWP).
   wo = w.to(dxa.dtype)
   do = dlr.to(dxa.dtype)
-  acca += _dot(wo, dxa, LOWP) + _dot_lo(do, ta_hi, ta_lo, LOWP)
+  acca += _dot(wo, dxa, LOWP) + _dot(do, ta_hi, LOWP)
   if CB > 0:
-    accb += _dot(wo, dxb, LOWP) + _dot_lo(do, tb_hi, tb_lo, LOWP)
+    accb += _dot(wo, dxb, LOWP) + _dot(do, tb_hi, LOWP)
   return coef, acca, accb
 
 
@@ -766,8 +768,9 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
 
   As :func:`sites_kernel`: per token, ``[G, C] x [C, MB]`` then ``[G, MB] x
   [MB, C]`` products (G >= 16 >= GV rows, masked), C as two parts; LOWP:
-  16-bit products, the queries as two terms (split by the caller), ``w`` and
-  ``dlogit r`` rounded once; otherwise exact fp32. FLAT: one pipelined loop
+  16-bit products, the queries as two terms (split by the caller) in the
+  logits, ``w`` and ``dlogit r`` rounded once (so ``dlogit r t`` takes the
+  queries' high term only); otherwise exact fp32. FLAT: one pipelined loop
   over (token, block) pairs, the sources loaded again at every block
   (tokens past N redo token N - 1 unstored); otherwise a loop over tokens,
   each with its own pipelined loop over blocks.
