@@ -20,6 +20,8 @@ as jax-triton marks them::
     python tools/kernel_resources.py                       # D 1280, H 8
     python tools/kernel_resources.py --d 1024 --pf 2 --warps 8
     python tools/kernel_resources.py --kernels sources --opcodes 12   # + loop opcodes
+    python tools/kernel_resources.py --kernels sites,sources \
+        --sites_tuning '{"flat": true, "warps": 2}' --sources_tuning '{"flat": true}'
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ BF16 = {"fwd": SLOTS("s") | {"out_ptr", "i_out"},
         "cpass": SLOTS("s") | {"g_ptr"},
         "bwd": SLOTS("s") | SLOTS("ds") | SLOTS("i") | {"g_ptr"},
         "source_grad": {"s_ptr", "dx_ptr", "ds_ptr"}}
-SCALARS = {"N", "I0", "NTILES", "I", "M", "S", "GV", "J0"}
+SCALARS = {"N", "I0", "NTILES", "I", "M", "S", "GV", "J0", "IX", "IS", "IA",
+           "JX", "K", "SK", "SM", "SH", "KC"}
+SCALARS64 = {"S0"}      # an element offset past 2^31 at 1b: jax-triton's i64
 
 
 def compile_kernel(fn, bf16, constexprs, warps):
@@ -67,6 +71,8 @@ def compile_kernel(fn, bf16, constexprs, warps):
       sig[n] = "constexpr"
     elif n in SCALARS:
       sig[n] = "i32"
+    elif n in SCALARS64:
+      sig[n] = "i64"
     else:
       sig[n] = "*bf16" if n in bf16 else "*fp32"
       attrs[(i,)] = [["tt.divisibility", 16]]
@@ -132,6 +138,7 @@ def report(name, cc, usage, sass, warps, top=0):
               barriers=ptx.count("bar.sync") + ptx.count("barrier.sync"),
               layout_conversions=ttgir.count("ttg.convert_layout"),
               vector_loads=len(re.findall(r"ld\.global[.a-z0-9]*\.v\d", ptx)),
+              async_copies=len(re.findall(r"cp\.async\.(?:ca|cg)", ptx)),
               loads=ptx.count("ld.global"), sass=len(insts),
               loop_sass=len(loop), loops=sorted(map(len, loops)),
               **({"loop_opcodes": opcodes(loop, top)} if top else {}))
@@ -145,7 +152,10 @@ def main(argv=None):
   ap.add_argument("--pf", type=int, default=tr.TUNING["fwd_prefetch"])
   ap.add_argument("--warps", type=int, default=tr.TUNING["fwd_warps"])
   ap.add_argument("--kernels",
-                  default="fwd,fwd_r,cpass,cpass_r,bwd,bwd_r,source_grad")
+                  default="fwd,fwd_r,cpass,cpass_r,bwd,bwd_r,source_grad",
+                  help="of fwd, fwd_r, cpass, cpass_r, bwd, bwd_r, "
+                  "source_grad, source_grad_init, sites, sources, "
+                  "query_gain_grad")
   ap.add_argument("--source_grad_tuning", default="",
                   help="JSON dict merged into triton_stack.TUNING")
   ap.add_argument("--sources_tuning", default="",
@@ -187,34 +197,41 @@ def main(argv=None):
           common, PF=tr.TUNING["bwd_prefetch"], HAS_R=True)),
       "source_grad": (ts.source_grad_kernel, BF16["source_grad"], dict(
           tr.tile_meta(a.d, a.h), BN=ts.tokens_per_program(a.d, a.h),
-          STAGES=ts.TUNING["stages"], INIT=False)),
+          STAGES=ts.TUNING["stages"], INIT=False, PARTIAL=False)),
       "source_grad_init": (ts.source_grad_kernel,
                            BF16["source_grad"] | {"acc_ptr"}, dict(
           tr.tile_meta(a.d, a.h), BN=ts.tokens_per_program(a.d, a.h),
-          STAGES=ts.TUNING["stages"], INIT=True)),
+          STAGES=ts.TUNING["stages"], INIT=True, PARTIAL=False)),
   }
+  c = a.d // a.h
+  tu = ts.QGRAD_TUNING
+  runs["query_gain_grad"] = (ts.query_gain_grad_kernel, {"s_ptr"}, dict(
+      D=a.d, C=c, BC=ts._channel_block(c), MB=16, BK=tu["tokens_a_step"],
+      STAGES=tu["stages"], LOWP=True))
   tu = ts.SITES_TUNING
   runs["sites"] = (ts.sites_kernel, {"x_ptr", "out_ptr"}, dict(
       tr.tile_meta(a.d, a.h), G=16, SB=tu["source_block"],
       BT=tu["tokens_per_program"], STAGES=tu["stages"], LOWP=True,
-      EVEN_S=a.even_sites))
+      EVEN_S=a.even_sites, FLAT=tu["flat"]))
   tu = ts.SOURCES_TUNING
   runs["sources"] = (ts.sources_kernel, {"s_ptr", "dx_ptr", "acc_ptr", "t_ptr",
                                             "tlo_ptr"}, dict(
       tr.tile_meta(a.d, a.h), G=16, MB=tu["site_block"],
       BT=tu["tokens_per_program"], STAGES=tu["stages"], LOWP=True,
-      EVEN_M=a.even_sites))
+      EVEN_M=a.even_sites, INIT=True, FLAT=tu["flat"]))
   print(f"triton {triton.__version__}, sm_90, D={a.d} H={a.h} "
         f"NSRC={a.nsrc} PF={a.pf} warps={a.warps} BN={bn}", flush=True)
   rows = []
   for name in a.kernels.split(","):
     fn, bf16, cons = runs[name]
     warps = {"source_grad": ts.TUNING["warps"],
+             "source_grad_init": ts.TUNING["warps"],
              "sites": ts.SITES_TUNING["warps"],
-             "sources": ts.SOURCES_TUNING["warps"]}.get(name, a.warps)
+             "sources": ts.SOURCES_TUNING["warps"],
+             "query_gain_grad": ts.QGRAD_TUNING["warps"]}.get(name, a.warps)
     cons = {k: v for k, v in cons.items() if k in fn.arg_names}
     if a.ones:
-      cons.update({k: 1 for k in fn.arg_names if k in SCALARS})
+      cons.update({k: 1 for k in fn.arg_names if k in SCALARS | SCALARS64})
     rows.append(report(name, *compile_kernel(fn, bf16, cons, warps), warps,
                        a.opcodes))
     print(json.dumps(rows[-1]), flush=True)

@@ -232,7 +232,7 @@ def query_gain_grad_kernel(d_ptr, s_ptr, out_init, K, M, SK, SM, SH, S0, KC,
   kb = tl.arange(0, BK)
   dt = s_ptr.dtype.element_ty
   drow = d_ptr + ms.to(tl.int64)[:, None] * SM + h * SH
-  srow = s_ptr + S0.to(tl.int64) + cols[None, :]
+  srow = s_ptr + S0 + cols[None, :]         # S0: int64 where it must be
   k_lo = chunk * KC
   k_hi = tl.minimum(K, k_lo + KC)
   acc = tl.zeros((MB, BC), tl.float32)
