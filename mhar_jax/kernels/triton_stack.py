@@ -394,6 +394,16 @@ def _dot(a, b, LOWP: tl.constexpr):
 
 
 @triton.jit
+def _flat_step(it, nb, tile, N, BT: tl.constexpr, B: tl.constexpr):
+  """Step ``it`` of a flat loop over (token, block of B rows) pairs, ``nb``
+  blocks a token, BT tokens from tile ``tile``: ``(first row of the block,
+  token, token read)``, the last one int64 and N - 1 for a token past N."""
+  i = it // nb
+  nn = tile * BT + i
+  return (it - i * nb) * B, nn, tl.minimum(nn, N - 1).to(tl.int64)
+
+
+@triton.jit
 def _sites_block(xp, rp, sm, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m, lsum,
                  acca, accb, CA: tl.constexpr, CB: tl.constexpr,
                  LOWP: tl.constexpr, EVEN_S: tl.constexpr,
@@ -511,10 +521,7 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
   if FLAT:
     nb = tl.cdiv(S, SB)
     for it in tl.range(0, BT * nb, num_stages=STAGES):
-      i = it // nb
-      s0 = (it - i * nb) * SB
-      nn = tile * BT + i
-      n = tl.minimum(nn, N - 1).to(tl.int64)
+      s0, nn, n = _flat_step(it, nb, tile, N, BT, SB)
       row = n * D + h * C
       m = tl.where(s0 == 0, float("-inf"), m)
       m, lsum, acca, accb = _sites_block(
@@ -806,10 +813,7 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
   if FLAT:
     nb = tl.cdiv(M, MB)
     for it in tl.range(0, BT * nb, num_stages=STAGES):
-      i = it // nb
-      k0 = (it - i * nb) * MB
-      nn = tile * BT + i
-      n = tl.minimum(nn, N - 1).to(tl.int64)
+      k0, nn, n = _flat_step(it, nb, tile, N, BT, MB)
       sa, sb, rg = _sources_load(s_ptr, r_ptr, srow + n * D, g64 * n64 + n,
                                  gm, ca, cb, cbm, CA, CB, LOWP)
       fresh = k0 == 0
