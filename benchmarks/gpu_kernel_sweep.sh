@@ -2,8 +2,9 @@
 # The tensor-core routing kernels' loop forms and tunings at the 1b shape
 # (D 1280, H 8, bf16, 32,768 tokens), one H200 (device tool; carry .whl):
 #   bash benchmarks/gpu_kernel_sweep.sh [tests|sites|sources|all]
-# tests:   both loop forms against the jnp references on the GPU (values,
-#          poisoned outputs, split cotangent buffers)
+# tests:   both loop forms and the query-gain product against the jnp
+#          references on the GPU (values, poisoned outputs, split cotangent
+#          buffers)
 # sites:   triton_stack.sites_kernel, G = 16 sites over 16 / 37 / 64 sources
 #          (benchmarks/depth_attention.py; configs BT x warps x stages x SB x
 #          FLAT), each checked against the jnp reference first
@@ -17,7 +18,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 what=${1:-all}
 if [[ $what == tests || $what == all ]]; then
   timeout 300 python3 -m pytest -o addopts="" -q -x --tb=short -p no:warnings \
-    tests/test_stack_gpu.py -k "group_kernels" > "$OUT/sweep-tests.txt" 2>&1
+    tests/test_stack_gpu.py -k "group_kernels or query_gain" \
+    > "$OUT/sweep-tests.txt" 2>&1
   echo "== tests (rc $?)"; tail -3 "$OUT/sweep-tests.txt"
 fi
 if [[ $what == sites || $what == all ]]; then
