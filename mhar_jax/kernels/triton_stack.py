@@ -230,7 +230,7 @@ def query_gain_grad_kernel(d_ptr, s_ptr, out_init, K, M, SK, SM, SH, S0, KC,
   h = col0 // C
   cols = col0 + tl.arange(0, BC)
   kb = tl.arange(0, BK)
-  dt = s_ptr.dtype.element_ty
+  sdt = s_ptr.dtype.element_ty
   drow = d_ptr + ms.to(tl.int64)[:, None] * SM + h * SH
   srow = s_ptr + S0 + cols[None, :]         # S0: int64 where it must be
   k_lo = chunk * KC
@@ -243,8 +243,8 @@ def query_gain_grad_kernel(d_ptr, s_ptr, out_init, K, M, SK, SM, SH, S0, KC,
                  other=0.0)
     sv = tl.load(srow + ks[:, None] * D, mask=km[:, None], other=0.0)
     if LOWP:
-      hi = dl.to(dt)
-      acc += tl.dot(hi, sv) + tl.dot((dl - hi.to(tl.float32)).to(dt), sv)
+      hi = dl.to(sdt)
+      acc += tl.dot(hi, sv) + tl.dot((dl - hi.to(tl.float32)).to(sdt), sv)
     else:
       acc += tl.dot(dl, sv.to(tl.float32), input_precision="ieee")
   tl.store(out_ptr + (chunk * M + ms.to(tl.int64))[:, None] * D + cols[None, :],
