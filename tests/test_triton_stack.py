@@ -368,7 +368,7 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks):
     return stack.source_grad(s, r, dX, t, lse, xd, i, h, m, init, dx_row,
                              partial)
 
-  def rows_buffer_local(rows, like, dtype):   # unwritten rows poison results
+  def rows_buffer_local(rows, like, dtype, tag):  # unwritten rows: NaN
     return jnp.full((rows, *like.shape), jnp.nan, dtype)
 
   monkeypatch.setattr(tr, "_fwd_local", jnp_fwd_local(h, 1e-6))

@@ -304,7 +304,7 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
   buf = None
   if on_tc or keep:
     rows = sum(ends) + 1 + keep if keep else max(on_tc) + 1
-    buf = _rows_buffer(plan, rows, h, h.dtype).at[0].set(h)
+    buf = _rows_buffer(plan, rows, h, h.dtype, -1).at[0].set(h)
 
   def route_site(j):
     """Site j's output and log-sum-exp (two-phase within its group)."""
@@ -374,13 +374,14 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
              vjps, t, None)
 
 
-def _rows_buffer(plan, rows: int, like, dtype):
+def _rows_buffer(plan, rows: int, like, dtype, tag: int):
   """``[rows, *like.shape]`` in ``dtype`` for rows each written before it is
-  read: unfilled with Triton (``triton_stack.rows_buffer``), else zeros."""
+  read: unfilled with Triton (``triton_stack.rows_buffer``; ``tag`` distinct
+  for each buffer of the step), else zeros."""
   if plan.impl == "triton":
     from mhar_jax.kernels import triton_stack
-    return triton_stack.rows_buffer(rows, like, plan.mesh, plan.batch_axes,
-                                    dtype)
+    return triton_stack.rows_buffer(rows, like, tag, plan.mesh,
+                                    plan.batch_axes, dtype)
   return jnp.zeros((rows, *like.shape), dtype)
 
 
@@ -581,7 +582,7 @@ def _stack_bwd(fns, plan, res, g):
     """Site ``k``'s cotangent into its span's buffer (made if new)."""
     a, b = span_of[k]
     if a not in cots:
-      cots[a] = _rows_buffer(plan, b - a, g, dtype)
+      cots[a] = _rows_buffer(plan, b - a, g, dtype, a)   # tag: the span
     cots[a] = cots[a].at[k - a + off].set(dx.astype(dtype))
 
   def cotangents(lo, hi):

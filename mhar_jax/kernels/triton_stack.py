@@ -288,31 +288,35 @@ def query_gain_grad(dlr, strides, S, row: int, k: int, m: int, h: int):
 
 
 @triton.jit
-def _no_write_kernel(x_ptr, out_init, out_ptr):
+def _no_write_kernel(x_ptr, out_init, TAG, out_ptr):
   """Writes nothing: its output is a buffer of whatever the memory held."""
   pass
 
 
-def rows_buffer_local(rows: int, like, dtype):
+def rows_buffer_local(rows: int, like, dtype, tag: int):
   """``[rows, *like.shape]`` in ``dtype``, contents undefined (NaN when
   testing with ``triton_route.poison_outputs``): a launch that writes
-  nothing, so XLA allocates the buffer and fills nothing."""
+  nothing, so XLA allocates the buffer and fills nothing. ``tag`` (a kernel
+  argument, unused) keeps XLA from merging two such launches of one program
+  into one buffer, which it would then copy for each writer."""
   dummy = jnp.zeros((1,), dtype)
   (out,) = tr._launch(
-      _no_write_kernel, [dummy], [],
+      _no_write_kernel, [dummy], [int(tag)],
       [jax.ShapeDtypeStruct((rows, *like.shape), dtype)], grid=(1,),
       num_warps=1, poison=tr.POISON, dummy=dummy)
   return out
 
 
-def rows_buffer(rows: int, like, mesh=None, batch_axes=(), dtype=None):
+def rows_buffer(rows: int, like, tag: int, mesh=None, batch_axes=(),
+                dtype=None):
   """A ``[rows, *like.shape]`` buffer in ``dtype`` (default ``like``'s), for
   buffers whose every row is written before it is read, without the
   ``jnp.zeros`` fill (at 1b, 6 GB written a microbatch for nothing):
   :func:`rows_buffer_local`, sharded like ``like``'s leading (token) dim
-  over the batch axes of ``mesh``."""
+  over the batch axes of ``mesh``. ``tag``: distinct for every buffer of one
+  program."""
   dtype = like.dtype if dtype is None else dtype
-  local = lambda like: rows_buffer_local(rows, like, dtype)  # noqa: E731
+  local = lambda like: rows_buffer_local(rows, like, dtype, tag)  # noqa: E731
   if mesh is None or not batch_axes:
     return local(like)
   tok, _, site, _ = _specs(batch_axes, like.ndim - 1)
