@@ -111,7 +111,11 @@ def child(preset: str, scheme: str, steps: int, warmup: int,
       pass
     section, _, key = key.rpartition(".")
     if section.startswith("kernels."):
-      tuning = kernel_tunings()[section.removeprefix("kernels.")]
+      tunings = kernel_tunings()
+      name = section.removeprefix("kernels.")
+      if name not in tunings:
+        raise KeyError(f"{kv}: no kernel tuning {name!r} ({sorted(tunings)})")
+      tuning = tunings[name]
       if key not in tuning:
         raise KeyError(f"{kv}: {section} has no key {key!r} ({sorted(tuning)})")
       tuning[key] = value
