@@ -384,10 +384,14 @@ def source_grad(s, r, dX, t, lse, xd, i: int, h: int, mesh=None,
 # and head the G queries ``t_g [C]`` meet the sources as keys and values. On the
 # H200 (benchmarks/depth_attention.py, RESULTS.md session 12) 16 sites over 16 /
 # 37 sources (D 1280) took 0.37x / 0.26x the time of triton_route's G-site
-# launch, with 16 tokens a program, 4 warps, 3 stages. Groups of fewer than
-# ``min_sites`` sites use triton_route's G-site launch (the kernel pads G to 16).
-SITES_TUNING: dict = {"tokens_per_program": 16, "warps": 4, "stages": 3,
-                      "source_block": 16, "min_sites": 8, "flat": False}
+# launch, with 16 tokens a program, 4 warps, 3 stages. Session 18 (one H100,
+# benchmarks/depth_attention.py, 16 sites over 37 sources, D 1280): the flat
+# loop over (token, block) pairs took 0.85x the per-token loop's time at 4
+# warps, 0.63x at 2 warps and 0.57x at 1 warp (74% of copy bandwidth; 253
+# registers, 8 programs an SM). Groups of fewer than ``min_sites`` sites use
+# triton_route's G-site launch (the kernel pads G to 16).
+SITES_TUNING: dict = {"tokens_per_program": 16, "warps": 1, "stages": 3,
+                      "source_block": 16, "min_sites": 8, "flat": True}
 
 
 @triton.jit
@@ -663,9 +667,12 @@ def sites(x, r, s: int, t, h: int, mesh=None, batch_axes=()):
 # sites, D 1280) 0.279x the time of 16 source_grad launches; these settings
 # were the best of five (2 stages, 4 tokens a program, 8 warps, 32 sites a
 # block were 1-72% slower). A site count that is a multiple of the block
-# compiles without the loop's masks (every group at 1b and 350m).
+# compiles without the loop's masks (every group at 1b and 350m). Session 18
+# (one H100, benchmarks/source_grad.py --group 16 --m 16, one block a token):
+# the flat loop took 0.74x the per-token loop's time (2 warps: 0.74x; the
+# per-token loop at 2 warps 0.79x).
 SOURCES_TUNING: dict = {"tokens_per_program": 16, "warps": 4, "stages": 3,
-                        "site_block": 16, "flat": False}
+                        "site_block": 16, "flat": True}
 
 
 @triton.jit
