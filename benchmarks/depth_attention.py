@@ -80,8 +80,10 @@ def main():
       ms, _, _ = _median_ms(fn, args)
       res[name] = ms
     for cfg_s in a.configs.split(","):
-      bt, w, st, sb, flat = (list(map(int, cfg_s.split("x")))
-                             + [default_block, 0][len(cfg_s.split("x")) - 3:])
+      parts = list(map(int, cfg_s.split("x")))
+      bt, w, st = parts[:3]
+      sb = parts[3] if len(parts) > 3 else default_block
+      flat = parts[4] if len(parts) > 4 else 0
       triton_stack.SITES_TUNING.update(tokens_per_program=bt, warps=w,
                                        stages=st, source_block=sb,
                                        flat=bool(flat))

@@ -629,9 +629,9 @@ def _stack_bwd(fns, plan, res, g):
 
   def source(k):
     """Finished source ``k`` (``done``'s index; recomputed: sublayer k-1's
-    output, or the block sum that :func:`recompute_block` left)."""
-    if shared:
-      return cots[0][k]  # not yet overwritten: k <= the next cotangent's row
+    output, or the block sum that :func:`recompute_block` left) when the
+    sources are not the shared buffer's rows (those are read in place, not
+    yet overwritten: k <= the next cotangent's row)."""
     if us is None or k == 0:
       return done[k]
     return projection(k - 1) if plan.full else sums[k]
