@@ -10,7 +10,8 @@
 #          FLAT), each checked against the jnp reference first
 # sources: triton_stack.sources_kernel, 16 sources' share of 16 sites (one
 #          block a token: the split cotangent buffers) and of 48, under
-#          SOURCES_TUNING variants (benchmarks/source_grad.py --group 16)
+#          SOURCES_TUNING variants, each naming flat and warps
+#          (benchmarks/source_grad.py --group 16)
 # Raw output: $OUT/sweep-*.txt; the timing lines are printed.
 set -uo pipefail
 source benchmarks/gpu_env.sh || exit 1
@@ -30,9 +31,10 @@ if [[ $what == sites || $what == all ]]; then
   echo "== sites (rc $?)"; grep -E "copy|depth attention|ERROR" "$OUT/sweep-sites.txt"
 fi
 if [[ $what == sources || $what == all ]]; then
-  TUNINGS='[{}, {"flat": true}, {"flat": true, "warps": 2},
-    {"warps": 2}, {"flat": true, "stages": 2}, {"flat": true, "stages": 4},
-    {"flat": true, "tokens_per_program": 32}]'
+  TUNINGS='[{"flat": false, "warps": 4}, {"flat": true, "warps": 4},
+    {"flat": true, "warps": 2}, {"flat": false, "warps": 2},
+    {"flat": true, "warps": 4, "stages": 2}, {"flat": true, "warps": 4, "stages": 4},
+    {"flat": true, "warps": 4, "tokens_per_program": 32}]'
   for m in 16 48; do
     timeout 180 python3 benchmarks/source_grad.py --group 16 --m $m \
       --tunings "$TUNINGS" > "$OUT/sweep-sources-m$m.txt" 2>&1
