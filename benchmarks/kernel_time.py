@@ -63,11 +63,13 @@ def kernel_events(trace_dir: str, device: str = "/device:GPU:0"
   return events
 
 
-def breakdown(events, steps: int, top: int = 12) -> dict:
+def breakdown(events, steps: int, top: int = 20) -> dict:
   """Per-step milliseconds by category and the ``top`` largest kernels.
 
-  Returns ``{"total_ms", "categories": {cat: ms}, "top": [(name, ms, calls)]}``
-  with every figure divided by ``steps``.
+  Returns ``{"total_ms", "categories": {cat: ms}, "top": [(name, ms, calls)],
+  "kernels": {name: [ms, calls]}}`` (``kernels``: every kernel, so that two
+  runs' steps can be compared kernel by kernel) with every figure divided by
+  ``steps``.
   """
   per_cat = collections.Counter()
   per_name = collections.Counter()
@@ -82,6 +84,8 @@ def breakdown(events, steps: int, top: int = 12) -> dict:
       "categories": {c: v * scale for c, v in per_cat.most_common()},
       "top": [(n[:90], v * scale, calls[n] / steps)
               for n, v in per_name.most_common(top)],
+      "kernels": {n[:200]: [v * scale, calls[n] / steps]
+                  for n, v in per_name.most_common()},
   }
 
 

@@ -35,6 +35,8 @@ def test_breakdown_divides_by_steps_and_ranks():
       {"matmul": 4.0, "routing (Triton)": 1.5, "elementwise fusion": 0.5})
   assert b["top"][0] == ("gemm_a", pytest.approx(4.0), 1.0)
   assert len(b["top"]) == 2
+  assert b["kernels"]["loop_add_fusion"] == pytest.approx([0.5, 0.5])
+  assert len(b["kernels"]) == 3
   text = kernel_time.format_breakdown("x", b, step_ms=8.0)
   assert "75% busy" in text and "| matmul | 4.0 |" in text
 
