@@ -17,7 +17,8 @@ values until the program fits a limit derived from the memory pool, so every
 scheme's peak sits near that limit and its time includes the recomputation.
 ``--profile N`` then traces N more steps with ``jax.profiler`` and prints
 where each run's GPU time goes (kernel time by category and the largest
-kernels, per step; :mod:`kernel_time`).
+kernels, per step; :mod:`kernel_time`); ``--profile_runs`` limits that to
+the runs it lists.
 
 Schemes: ``prenorm``, ``hyper``, ``attnres``, ``mhar`` (H=8, the default
 source-major backward; with Triton its sites in groups of 16 on tensor cores,
@@ -230,13 +231,19 @@ def child_env(xla_remat: bool) -> dict:
   return env
 
 
+def profiled(run: str, a) -> bool:
+  """Whether ``run`` is traced (``--profile_runs``: those listed; else all)."""
+  return not a.profile_runs or run in a.profile_runs.split(",")
+
+
 def run_child(run: str, a, compile_only: bool, timeout: int):
   """Runs one child process; returns (result dict or None, message)."""
   cmd = [sys.executable, __file__, "--child", run,
          "--steps", str(a.steps), "--warmup", str(a.warmup),
          "--micro_tokens", str(a.micro_tokens),
          "--routing_impl", a.routing_impl, "--cache_dir", a.cache_dir,
-         "--profile", str(0 if compile_only else a.profile)]
+         "--profile", str(0 if compile_only or not profiled(run, a)
+                          else a.profile)]
   env = child_env(a.xla_remat)
   if compile_only:
     cmd.append("--compile_only")
@@ -293,6 +300,9 @@ def main():
   ap.add_argument("--profile", type=int, default=0,
                   help="after timing, trace this many steps and print the"
                   " GPU kernel time by category")
+  ap.add_argument("--profile_runs", default="",
+                  help="trace only these runs (comma-separated, as in"
+                  " --runs); default: every run")
   ap.add_argument("--xla_remat", action="store_true",
                   help="let XLA rematerialize to fit its memory limit (off by"
                   " default: each scheme's own program, its own peak)")
