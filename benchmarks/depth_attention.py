@@ -40,10 +40,9 @@ def main():
   ap.add_argument("--d", type=int, default=1280)
   ap.add_argument("--h", type=int, default=8)
   ap.add_argument("--sites", type=int, default=16)
-  ap.add_argument("--configs", default="16x4x3,4x4x3,32x4x3,16x8x3,16x4x2",
+  ap.add_argument("--configs", default="16x1x3,16x2x3,32x1x3,16x1x4,16x1x2",
                   help="tokens a program x warps x pipeline stages [x "
-                  "sources a block [x 1: the flat loop over (token, block)]] "
-                  "of triton_stack.sites_kernel")
+                  "sources a block] of triton_stack.sites_kernel")
   ap.add_argument("--json", default="")
   a = ap.parse_args()
   import jax
@@ -83,10 +82,8 @@ def main():
       parts = list(map(int, cfg_s.split("x")))
       bt, w, st = parts[:3]
       sb = parts[3] if len(parts) > 3 else default_block
-      flat = parts[4] if len(parts) > 4 else 0
       triton_stack.SITES_TUNING.update(tokens_per_program=bt, warps=w,
-                                       stages=st, source_block=sb,
-                                       flat=bool(flat))
+                                       stages=st, source_block=sb)
       fn = jax.jit(lambda x, r, t: triton_stack.sites_local(x, r, s, t, a.h))
       try:
         out, lse = fn(x, r, t)
@@ -99,7 +96,7 @@ def main():
         print(f"  {n}x{s} {cfg_s}: ERROR {ex!r}"[:400], flush=True)
         continue
       res[f"depth attention {cfg_s}"] = ms
-      print(f"  {n}x{s} depth attention BTxWxSTAGES[xSB[xFLAT]] {cfg_s}: {ms:.3f} ms, "
+      print(f"  {n}x{s} depth attention BTxWxSTAGES[xSB] {cfg_s}: {ms:.3f} ms, "
             f"{100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs:.1f}% of copy "
             f"(S + G arrays), out rel err {err:.1e}, lse abs err {lerr:.1e}",
             flush=True)

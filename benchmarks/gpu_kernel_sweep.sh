@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
-# The tensor-core routing kernels' loop forms and tunings at the 1b shape
+# The tensor-core routing kernels' tunings at the 1b shape
 # (D 1280, H 8, bf16, 32,768 tokens), one H200 (device tool; carry .whl):
 #   bash benchmarks/gpu_kernel_sweep.sh [tests|sites|sources|all]
-# tests:   both loop forms and the query-gain product against the jnp
+# tests:   both kernels and the query-gain product against the jnp
 #          references on the GPU (values, poisoned outputs, split cotangent
 #          buffers)
 # sites:   triton_stack.sites_kernel, G = 16 sites over 16 / 37 / 64 sources
-#          (benchmarks/depth_attention.py; configs BT x warps x stages x SB x
-#          FLAT), each checked against the jnp reference first
+#          (benchmarks/depth_attention.py; configs BT x warps x stages x SB),
+#          each checked against the jnp reference first
 # sources: triton_stack.sources_kernel, 16 sources' share of 16 sites (one
 #          block a token: the split cotangent buffers) and of 48, under
-#          SOURCES_TUNING variants, each naming flat and warps
-#          (benchmarks/source_grad.py --group 16)
+#          SOURCES_TUNING variants (benchmarks/source_grad.py --group 16)
 # Raw output: $OUT/sweep-*.txt; the timing lines are printed.
 set -uo pipefail
 source benchmarks/gpu_env.sh || exit 1
@@ -26,15 +25,13 @@ fi
 if [[ $what == sites || $what == all ]]; then
   timeout 240 python3 benchmarks/depth_attention.py \
     --sizes 32768x16,32768x37,32768x64 --sites 16 \
-    --configs 16x4x3,16x4x3x16x1,16x2x3x16x1,16x1x3x16x1,16x1x4x16x1,32x1x3x16x1,16x2x4x16x1 \
+    --configs 16x1x3,16x2x3,16x4x3,16x1x4,16x1x2,32x1x3,8x1x3 \
     > "$OUT/sweep-sites.txt" 2>&1
   echo "== sites (rc $?)"; grep -E "copy|depth attention|ERROR" "$OUT/sweep-sites.txt"
 fi
 if [[ $what == sources || $what == all ]]; then
-  TUNINGS='[{"flat": false, "warps": 4}, {"flat": true, "warps": 4},
-    {"flat": true, "warps": 2}, {"flat": false, "warps": 2},
-    {"flat": true, "warps": 4, "stages": 2}, {"flat": true, "warps": 4, "stages": 4},
-    {"flat": true, "warps": 4, "tokens_per_program": 32}]'
+  TUNINGS='[{"warps": 4}, {"warps": 2}, {"warps": 8}, {"stages": 2},
+    {"stages": 4}, {"tokens_per_program": 32}, {"tokens_per_program": 8}]'
   for m in 16 48; do
     timeout 180 python3 benchmarks/source_grad.py --group 16 --m $m \
       --tunings "$TUNINGS" > "$OUT/sweep-sources-m$m.txt" 2>&1

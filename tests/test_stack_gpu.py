@@ -155,18 +155,13 @@ def test_decoder_source_backward_on_gpu(num_blocks, num_layers, recompute):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("d,heads,gv,m", [(1280, 8, 16, 37), (512, 16, 9, 5),
                                           (1024, 8, 16, 1), (1280, 8, 16, 32)])
-@pytest.mark.parametrize("flat", [False, True])
-def test_group_kernels_match_reference(monkeypatch, dtype, d, heads, gv, m,
-                                       flat):
+def test_group_kernels_match_reference(dtype, d, heads, gv, m):
   """The tensor-core kernels alone on fresh inputs against their jnp
   references (fp32 computed at the highest matmul precision): G sites over
   the first rows of a source buffer, and G sources' share of the sites
-  above them (acc, coef, query-gain gradient); both loop forms (1000
-  tokens: the last program's are partly past the end); outputs poisoned
-  first."""
+  above them (acc, coef, query-gain gradient); 1000 tokens (the last
+  program's are partly past the end); outputs poisoned first."""
   from mhar_jax.kernels import reference, stack, triton_route, triton_stack
-  monkeypatch.setitem(triton_stack.SITES_TUNING, "flat", flat)
-  monkeypatch.setitem(triton_stack.SOURCES_TUNING, "flat", flat)
   n_tok, rows = 1000, gv + m + 3
   ks = jax.random.split(jax.random.key(d + gv + m), 6)
   buf = (jax.random.normal(ks[0], (rows, n_tok, d)) * 1.3).astype(dtype)
@@ -204,17 +199,14 @@ def test_group_kernels_match_reference(monkeypatch, dtype, d, heads, gv, m,
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("d,heads,gv,m1,m2", [(1280, 8, 16, 16, 16),
                                               (1024, 8, 1, 5, 16)])
-@pytest.mark.parametrize("flat", [False, True])
-def test_group_kernels_split_cotangents(monkeypatch, dtype, d, heads, gv, m1,
-                                        m2, flat):
+def test_group_kernels_split_cotangents(dtype, d, heads, gv, m1, m2):
   """The sites' cotangents in two buffers at row offsets (the backward with
   recomputed sources, and with blocks): G sources' share of both, the second
   call continuing the first's (acc, coef) in place, a source's gradient from
   one buffer's rows and from both (the upper's sums, ``partial``, continued
   by the lower's), against the jnp references on one whole buffer; outputs
-  poisoned first; both loop forms of the sources kernel."""
+  poisoned first."""
   from mhar_jax.kernels import reference, stack, triton_route, triton_stack
-  monkeypatch.setitem(triton_stack.SOURCES_TUNING, "flat", flat)
   n_tok, j = 1000, 3
   rows = j + m1 + m2
   ks = jax.random.split(jax.random.key(d + gv), 5)

@@ -123,13 +123,12 @@ def test_query_gain_grad_matches_einsum(kernel_module, n_tok, d, h, rows, row,
     (3, 64, 4, 40, 0, 8, 8, 32, 4),    # whole site blocks: the unmasked loop
     (5, 320, 2, 24, 2, 4, 8, 16, 2),   # ... with C = 128 + 32
 ])
-@pytest.mark.parametrize("flat", [False, True])
 def test_sources_partial_matches_reference(kernel_module, n_tok, d, h, rows,
-                                           i0, gv, j, m, bt, flat):
+                                           i0, gv, j, m, bt):
   """``sources_partial_local`` (G sources' gradients from the sites above
   them, on tensor cores; fp32 operands: the interpreter's bf16 products are
   wrong) against ``stack.sources_partial``, and ``source_grad`` continuing
-  it against ``source_grad`` over all the sites; both loop forms."""
+  it against ``source_grad`` over all the sites."""
   ts = kernel_module
   rng = np.random.default_rng(n_tok + d + m)
   buf = rng.normal(size=(rows, n_tok, d)).astype(np.float32)
@@ -139,7 +138,6 @@ def test_sources_partial_matches_reference(kernel_module, n_tok, d, h, rows,
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(ts.tr, "_launch", interpreted_launch)
     mp.setitem(ts.SOURCES_TUNING, "tokens_per_program", bt)
-    mp.setitem(ts.SOURCES_TUNING, "flat", flat)
     got = ts.sources_partial_local(buf, i0, gv, r, dX, t, lse, xd, j, m, h)
   for a, b in zip(got, want):
     assert a.shape == b.shape
@@ -158,9 +156,8 @@ def test_sources_partial_matches_reference(kernel_module, n_tok, d, h, rows,
 @pytest.mark.parametrize("n_tok,d,h,gv,m1,m2", [
     (5, 320, 2, 3, 4, 16),   # C = 128 + 32; a ragged span, then a whole block
     (3, 64, 4, 1, 16, 5)])   # one source (a depth's last group)
-@pytest.mark.parametrize("flat", [False, True])
 def test_cotangents_split_over_buffers(kernel_module, n_tok, d, h, gv, m1,
-                                       m2, flat):
+                                       m2):
   """The sites' cotangents held in two buffers at row offsets: the share of
   both (``sources_partial_local`` on the first, continued in place on the
   second), a source's gradient from one (``source_grad_local``,
@@ -177,7 +174,6 @@ def test_cotangents_split_over_buffers(kernel_module, n_tok, d, h, gv, m1,
   want = stack.sources_partial(S, r, dX, t, lse, xd, j, m1 + m2, h)
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(ts.tr, "_launch", interpreted_launch)
-    mp.setitem(ts.SOURCES_TUNING, "flat", flat)
     a = ts.sources_partial_local(S, 0, gv, r, lower, t, lse, xd, j, m1, h,
                                  dx_row=1)
     b = ts.sources_partial_local(S, 0, gv, r, upper, t, lse, xd, j + m1, m2,
@@ -294,11 +290,10 @@ def test_routed_stack_end_to_end(kernel_module, monkeypatch, n, blocks,
     (3, 320, 2, 20, 16, 16, 2, 16),   # whole blocks: the unmasked loop
     (2, 64, 4, 40, 32, 9, 4, 16),     # ... two of them, C = 16
 ])
-@pytest.mark.parametrize("flat", [False, True])
 def test_sites_kernel_matches_jnp_sites(kernel_module, n, d, h, rows, s, g,
-                                        bt, sb, flat):
+                                        bt, sb):
   """``sites_kernel`` (G sites over the first S rows of a source buffer, on
-  tensor cores) against ``stack._sites``, both loop forms; fp32 operands
+  tensor cores) against ``stack._sites``; fp32 operands
   (the interpreter's bf16 products are wrong: the GPU tests check those)."""
   ts = kernel_module
   rng = np.random.default_rng(n + d + s)
@@ -312,7 +307,6 @@ def test_sites_kernel_matches_jnp_sites(kernel_module, n, d, h, rows, s, g,
     mp.setattr(ts.tr, "_launch", interpreted_launch)
     mp.setitem(ts.SITES_TUNING, "tokens_per_program", bt)
     mp.setitem(ts.SITES_TUNING, "source_block", sb)
-    mp.setitem(ts.SITES_TUNING, "flat", flat)
     out, lse = ts.sites_local(x, r, s, t, h)
   assert out.shape == (g, n, d) and lse.shape == (g, n, h)
   np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)

@@ -21,7 +21,7 @@ as jax-triton marks them::
     python tools/kernel_resources.py --d 1024 --pf 2 --warps 8
     python tools/kernel_resources.py --kernels sources --opcodes 12   # + loop opcodes
     python tools/kernel_resources.py --kernels sites,sources \
-        --sites_tuning '{"flat": true, "warps": 2}' --sources_tuning '{"flat": true}'
+        --sites_tuning '{"warps": 2}' --sources_tuning '{"stages": 2}'
 """
 
 from __future__ import annotations
@@ -212,13 +212,13 @@ def main(argv=None):
   runs["sites"] = (ts.sites_kernel, {"x_ptr", "out_ptr"}, dict(
       tr.tile_meta(a.d, a.h), G=16, SB=tu["source_block"],
       BT=tu["tokens_per_program"], STAGES=tu["stages"], LOWP=True,
-      EVEN_S=a.even_sites, FLAT=tu["flat"]))
+      EVEN_S=a.even_sites))
   tu = ts.SOURCES_TUNING
   runs["sources"] = (ts.sources_kernel, {"s_ptr", "dx_ptr", "acc_ptr", "t_ptr",
                                             "tlo_ptr"}, dict(
       tr.tile_meta(a.d, a.h), G=16, MB=tu["site_block"],
       BT=tu["tokens_per_program"], STAGES=tu["stages"], LOWP=True,
-      EVEN_M=a.even_sites, INIT=True, FLAT=tu["flat"]))
+      EVEN_M=a.even_sites, INIT=True))
   print(f"triton {triton.__version__}, sm_90, D={a.d} H={a.h} "
         f"NSRC={a.nsrc} PF={a.pf} warps={a.warps} BN={bn}", flush=True)
   rows = []

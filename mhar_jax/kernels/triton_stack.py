@@ -385,13 +385,14 @@ def source_grad(s, r, dX, t, lse, xd, i: int, h: int, mesh=None,
 # H200 (benchmarks/depth_attention.py, RESULTS.md session 12) 16 sites over 16 /
 # 37 sources (D 1280) took 0.37x / 0.26x the time of triton_route's G-site
 # launch, with 16 tokens a program, 4 warps, 3 stages. Session 18 (one H100,
-# benchmarks/depth_attention.py, 16 sites over 37 sources, D 1280): the flat
-# loop over (token, block) pairs took 0.85x the per-token loop's time at 4
-# warps, 0.63x at 2 warps and 0.57x at 1 warp (74% of copy bandwidth; 253
+# benchmarks/depth_attention.py, 16 sites over 37 sources, D 1280): one
+# loop over (token, block) pairs took 0.85x the time of a loop per token
+# (each with its own pipelined loop over blocks; since removed) at 4 warps,
+# 0.63x at 2 warps and 0.57x at 1 warp (74% of copy bandwidth; 253
 # registers, 8 programs an SM). Groups of fewer than ``min_sites`` sites use
 # triton_route's G-site launch (the kernel pads G to 16).
 SITES_TUNING: dict = {"tokens_per_program": 16, "warps": 1, "stages": 3,
-                      "source_block": 16, "min_sites": 8, "flat": True}
+                      "source_block": 16, "min_sites": 8}
 
 
 @triton.jit
@@ -504,8 +505,7 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
                  D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                  CA: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
                  SB: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
-                 LOWP: tl.constexpr, EVEN_S: tl.constexpr,
-                 FLAT: tl.constexpr):
+                 LOWP: tl.constexpr, EVEN_S: tl.constexpr):
   """BT tokens of head ``program_id(1)``: GV sites over the first S sources.
 
   ``x_ptr [R, N, D]`` (R >= S rows of sources), ``r_ptr [S, N]`` fp32 inverse
@@ -523,11 +523,10 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
   ``triton_route.head_parts``. LOWP (16-bit sources): products in the
   sources' dtype, the queries as two terms (hi + lo), the softmax weights
   rounded once, as FlashAttention's; otherwise exact fp32 products. EVEN_S:
-  S is a multiple of SB (the source loop unmasked). FLAT: one software-
-  pipelined loop over (token, block) pairs, so the next token's first
-  blocks load while this token's last ones are summed (tokens past N redo
-  token N - 1 unstored); otherwise a loop over tokens, each with its own
-  pipelined loop over blocks.
+  S is a multiple of SB (the source loop unmasked). One software-pipelined
+  loop over (token, block) pairs, so the next token's first blocks load
+  while this token's last ones are summed (tokens past N redo token N - 1
+  unstored).
   """
   tile = tl.program_id(0)
   h = tl.program_id(1)
@@ -559,33 +558,19 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
   lsum = tl.zeros((G,), tl.float32)
   acca = tl.zeros((G, CA), tl.float32)
   accb = tl.zeros((G, CB if CB > 0 else CA), tl.float32)
-  if FLAT:
-    nb = tl.cdiv(S, SB)
-    for it in tl.range(0, BT * nb, num_stages=STAGES):
-      s0, nn, n = _flat_step(it, nb, tile, N, BT, SB)
-      row = n * D + h * C
-      m = tl.where(s0 == 0, float("-inf"), m)
-      m, lsum, acca, accb = _sites_block(
-          x_ptr + s0 * nd + srow + row, r_ptr + (s0 + sb) * n64 + n,
-          s0 + sb < S, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m, lsum,
-          acca, accb, CA, CB, LOWP, EVEN_S, FULL_B)
-      if s0 + SB >= S:
-        _sites_store(out_ptr, lse_ptr, gout + row, glse + n * H,
-                     tl.where(nn < N, gm, False), ca, cb, cbm, m, lsum, acca,
-                     accb, dt, CA, CB)
-  else:
-    for i in range(BT):
-      n = tile * BT + i
-      if n < N:
-        row = n.to(tl.int64) * D + h * C
-        m = tl.full((G,), float("-inf"), tl.float32)
-        for s0 in tl.range(0, S, SB, num_stages=STAGES):
-          m, lsum, acca, accb = _sites_block(
-              x_ptr + s0 * nd + srow + row, r_ptr + (s0 + sb) * n64 + n,
-              s0 + sb < S, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m, lsum,
-              acca, accb, CA, CB, LOWP, EVEN_S, FULL_B)
-        _sites_store(out_ptr, lse_ptr, gout + row, glse + n * H, gm, ca, cb,
-                     cbm, m, lsum, acca, accb, dt, CA, CB)
+  nb = tl.cdiv(S, SB)
+  for it in tl.range(0, BT * nb, num_stages=STAGES):
+    s0, nn, n = _flat_step(it, nb, tile, N, BT, SB)
+    row = n * D + h * C
+    m = tl.where(s0 == 0, float("-inf"), m)
+    m, lsum, acca, accb = _sites_block(
+        x_ptr + s0 * nd + srow + row, r_ptr + (s0 + sb) * n64 + n,
+        s0 + sb < S, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m, lsum,
+        acca, accb, CA, CB, LOWP, EVEN_S, FULL_B)
+    if s0 + SB >= S:
+      _sites_store(out_ptr, lse_ptr, gout + row, glse + n * H,
+                   tl.where(nn < N, gm, False), ca, cb, cbm, m, lsum, acca,
+                   accb, dt, CA, CB)
 
 
 def sites_supported(d: int, h: int, g: int) -> bool:
@@ -621,7 +606,7 @@ def _group_launch(name, kernel, tu, inputs, scalars, out_shapes, dtype, n, d,
                   h, g, carry=None, **meta):
   """Launches a tensor-core kernel of G rows (``g`` used, 1 to 64) over
   tokens x heads with tuning ``tu`` (``tokens_per_program``, ``warps``,
-  ``stages``, ``flat``: the loop form); ``carry`` as in
+  ``stages``); ``carry`` as in
   ``triton_route._launch``."""
   if not sites_supported(d, h, g):
     raise ValueError(f"{name}: {g} rows at D={d}, H={h} are not supported"
@@ -634,8 +619,7 @@ def _group_launch(name, kernel, tu, inputs, scalars, out_shapes, dtype, n, d,
       num_warps=int(tu["warps"]), carry=carry, poison=tr.POISON,
       dummy=inputs[0], D=d,
       H=h, C=c, CA=ca, CB=cb, G=max(16, 1 << (g - 1).bit_length()), BT=bt,
-      STAGES=int(tu["stages"]), LOWP=dtype != jnp.float32,
-      FLAT=bool(tu["flat"]), **meta)
+      STAGES=int(tu["stages"]), LOWP=dtype != jnp.float32, **meta)
 
 
 def sites(x, r, s: int, t, h: int, mesh=None, batch_axes=()):
@@ -669,10 +653,10 @@ def sites(x, r, s: int, t, h: int, mesh=None, batch_axes=()):
 # block were 1-72% slower). A site count that is a multiple of the block
 # compiles without the loop's masks (every group at 1b and 350m). Session 18
 # (one H100, benchmarks/source_grad.py --group 16 --m 16, one block a token):
-# the flat loop took 0.74x the per-token loop's time (2 warps: 0.74x; the
-# per-token loop at 2 warps 0.79x).
+# one loop over (token, block) pairs took 0.74x the time of a loop per token
+# (since removed; 2 warps: 0.74x, a loop per token at 2 warps 0.79x).
 SOURCES_TUNING: dict = {"tokens_per_program": 16, "warps": 4, "stages": 3,
-                        "site_block": 16, "flat": True}
+                        "site_block": 16}
 
 
 @triton.jit
@@ -797,7 +781,7 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
                    CA: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
                    MB: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
                    LOWP: tl.constexpr, EVEN_M: tl.constexpr,
-                   INIT: tl.constexpr, FLAT: tl.constexpr):
+                   INIT: tl.constexpr):
   """BT tokens of head ``program_id(1)``: the share of the sites ``J0 ..
   J0+M-1`` in the gradients of the GV sources in rows ``I0 .. I0+GV-1``.
 
@@ -821,10 +805,9 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
   [MB, C]`` products (G >= 16 >= GV rows, masked), C as two parts; LOWP:
   16-bit products, the queries as two terms (split by the caller) in the
   logits, ``w`` and ``dlogit r`` rounded once (so ``dlogit r t`` takes the
-  queries' high term only); otherwise exact fp32. FLAT: one pipelined loop
-  over (token, block) pairs, the sources loaded again at every block
-  (tokens past N redo token N - 1 unstored); otherwise a loop over tokens,
-  each with its own pipelined loop over blocks.
+  queries' high term only); otherwise exact fp32. One pipelined loop over
+  (token, block) pairs, the sources loaded again at every block (tokens past
+  N redo token N - 1 unstored).
   """
   tile = tl.program_id(0)
   h = tl.program_id(1)
@@ -854,48 +837,26 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
   coef = tl.zeros((G,), tl.float32)
   acca = tl.zeros((G, CA), tl.float32)
   accb = tl.zeros((G, CB if CB > 0 else CA), tl.float32)
-  if FLAT:
-    nb = tl.cdiv(M, MB)
-    for it in tl.range(0, BT * nb, num_stages=STAGES):
-      k0, nn, n = _flat_step(it, nb, tile, N, BT, MB)
-      sa, sb, rg = _sources_load(s_ptr, r_ptr, srow + n * D, g64 * n64 + n,
-                                 gm, ca, cb, cbm, CA, CB, LOWP)
-      fresh = k0 == 0
-      coef = tl.where(fresh, 0.0, coef)
-      acca = tl.where(fresh, 0.0, acca)
-      accb = tl.where(fresh, 0.0, accb)
-      ok = tl.where(nn < N, gm, False)      # rows of a token that exists
-      coef, acca, accb = _sources_block(
-          t_ptr, tlo_ptr, dx_ptr, lse_ptr, xd_ptr,
-          dlr_ptr + (n * H + h) * M, toff0 + k0 * D,
-          xoff0 + n * D + k0 * nd, loff0 + n * H + k0 * nh, doff0 + k0,
-          k0 + kb < M, ok[:, None] & (k0 + kb < M)[None, :], sa, sb, rg, ca,
-          cb, cbm, coef, acca, accb, CA, CB, LOWP, EVEN_M, FULL_B)
-      if k0 + MB >= M:
-        _sources_store(acc_ptr, coef_ptr, grow + n * D,
-                       (g64 * n64 + n) * H + h, ok, ca, cb, cbm, coef, acca,
-                       accb, dt, CA, CB, INIT)
-  else:
-    for i in range(BT):
-      n = tile * BT + i
-      if n < N:
-        nt = n.to(tl.int64)
-        sa, sb, rg = _sources_load(s_ptr, r_ptr, srow + nt * D,
-                                   g64 * n64 + nt, gm, ca, cb, cbm, CA, CB,
-                                   LOWP)
-        coef = tl.zeros((G,), tl.float32)
-        acca = tl.zeros((G, CA), tl.float32)
-        accb = tl.zeros((G, CB if CB > 0 else CA), tl.float32)
-        for k0 in tl.range(0, M, MB, num_stages=STAGES):
-          coef, acca, accb = _sources_block(
-              t_ptr, tlo_ptr, dx_ptr, lse_ptr, xd_ptr,
-              dlr_ptr + (nt * H + h) * M, toff0 + k0 * D,
-              xoff0 + nt * D + k0 * nd, loff0 + nt * H + k0 * nh, doff0 + k0,
-              k0 + kb < M, gm[:, None] & (k0 + kb < M)[None, :], sa, sb, rg,
-              ca, cb, cbm, coef, acca, accb, CA, CB, LOWP, EVEN_M, FULL_B)
-        _sources_store(acc_ptr, coef_ptr, grow + nt * D,
-                       (g64 * n64 + nt) * H + h, gm, ca, cb, cbm, coef, acca,
-                       accb, dt, CA, CB, INIT)
+  nb = tl.cdiv(M, MB)
+  for it in tl.range(0, BT * nb, num_stages=STAGES):
+    k0, nn, n = _flat_step(it, nb, tile, N, BT, MB)
+    sa, sb, rg = _sources_load(s_ptr, r_ptr, srow + n * D, g64 * n64 + n,
+                               gm, ca, cb, cbm, CA, CB, LOWP)
+    fresh = k0 == 0
+    coef = tl.where(fresh, 0.0, coef)
+    acca = tl.where(fresh, 0.0, acca)
+    accb = tl.where(fresh, 0.0, accb)
+    ok = tl.where(nn < N, gm, False)      # rows of a token that exists
+    coef, acca, accb = _sources_block(
+        t_ptr, tlo_ptr, dx_ptr, lse_ptr, xd_ptr,
+        dlr_ptr + (n * H + h) * M, toff0 + k0 * D,
+        xoff0 + n * D + k0 * nd, loff0 + n * H + k0 * nh, doff0 + k0,
+        k0 + kb < M, ok[:, None] & (k0 + kb < M)[None, :], sa, sb, rg, ca,
+        cb, cbm, coef, acca, accb, CA, CB, LOWP, EVEN_M, FULL_B)
+    if k0 + MB >= M:
+      _sources_store(acc_ptr, coef_ptr, grow + n * D,
+                     (g64 * n64 + n) * H + h, ok, ca, cb, cbm, coef, acca,
+                     accb, dt, CA, CB, INIT)
 
 
 def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
