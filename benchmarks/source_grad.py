@@ -21,6 +21,16 @@ backward's first phase) under each tuning of ``triton_stack.SOURCES_TUNING``
 in ``--tunings``, against G launches of ``source_grad_local`` over the same
 sites (the ungrouped backward's work for them), each checked against its jnp
 reference (``stack.sources_partial`` / ``stack.source_grad``).
+
+With ``--qgrad`` it times the query-gain gradient's product alone
+(:func:`~mhar_jax.kernels.triton_stack.query_gain_grad`, ``dt[m, c] = sum_n
+dlr[n, m, h(c)] s[n, c]``) under each tuning of ``triton_stack.QGRAD_TUNING``
+in ``--tunings``, against XLA's product of the same arrays (the einsum the kernels' callers
+compute where the channels a head have no power-of-two block, or with
+``xla_for_arrays``): one source's N tokens with ``dlr`` as ``source_grad_kernel`` writes
+it (``[M, H, N]``), or with ``--group G`` G sources' rows with ``dlr`` as
+``sources_kernel`` writes it (``[G, N, H, M]``). Printed: ms and the bytes
+read (the rows and ``dlr`` once) a second as a share of copy bandwidth.
 """
 
 from __future__ import annotations
@@ -63,8 +73,13 @@ def main():
   ap.add_argument("--group", type=int, default=0,
                   help="time G sources at once on tensor cores (--tunings "
                   "then tune triton_stack.SOURCES_TUNING)")
+  ap.add_argument("--qgrad", action="store_true",
+                  help="time the query-gain product alone (--tunings then "
+                  "tune triton_stack.QGRAD_TUNING)")
   ap.add_argument("--json", default="")
   a = ap.parse_args()
+  if a.qgrad:
+    return qgrad(a)
   if a.group:
     return group(a)
   from mhar_jax.kernels import triton_stack as ts   # needs a GPU jaxlib
@@ -151,6 +166,64 @@ def group(a):
   if a.json:
     with open(a.json, "w") as f:
       json.dump(dict(device=dev.device_kind, n=a.n, d=a.d, h=a.h, m=a.m,
+                     group=a.group, rows=rows), f, indent=1)
+
+
+def qgrad(a):
+  """``--qgrad``: see the module docstring."""
+  from mhar_jax.kernels import triton_stack as ts   # needs a GPU jaxlib
+  default = dict(ts.QGRAD_TUNING)
+  dev = jax.devices()[0]
+  cb = copy_bandwidth()
+  copy_gbs = max(v for v in cb.values() if isinstance(v, float))
+  g, n, m, d, h = max(a.group, 1), a.n, a.m, a.d, a.h
+  c = d // h
+  print(f"{dev.device_kind}: copy {copy_gbs:.0f} GB/s; query-gain product, "
+        f"{g} source row(s) of N={n} D={d} H={h}, M={m} sites, bf16",
+        flush=True)
+  ks = jax.random.split(jax.random.key(0), 2)
+  S = jax.random.normal(ks[0], (g, n, d), jnp.bfloat16)
+  if a.group:            # sources_kernel's layout [G, N, H, M]
+    dlr = jax.random.normal(ks[1], (g, n, h, m))
+    strides, k = (h * m, 1, m), g * n
+    xla = jax.jit(lambda dlr, S: jnp.einsum(
+        "gnhm,gnhc->mhc", dlr, S.astype(jnp.float32).reshape(g, n, h, c),
+        precision=jax.lax.Precision.HIGHEST)
+        .reshape(m, d))
+  else:                  # source_grad_kernel's layout [M, H, N]
+    dlr = jax.random.normal(ks[1], (m, h, n))
+    strides, k = (1, h * n, n), n
+    xla = jax.jit(lambda dlr, S: jnp.einsum(
+        "mhn,nhc->mhc", dlr, S[0].astype(jnp.float32).reshape(n, h, c),
+        precision=jax.lax.Precision.HIGHEST)
+        .reshape(m, d))
+  args = (dlr, S)
+  want = xla(*args)
+  base, _, _ = _median_ms(xla, args)
+  nbytes = g * n * d * 2 + dlr.size * 4
+  pct = lambda ms: 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs  # noqa: E731
+  print(f"XLA einsum {'':38s} {base:8.3f} ms {pct(base):5.1f}% copy",
+        flush=True)
+  rows = [dict(what="xla", ms=base, pct_copy=pct(base))]
+  for tu in json.loads(a.tunings):
+    ts.QGRAD_TUNING.clear()
+    ts.QGRAD_TUNING.update(default, **tu)
+    fn = jax.jit(lambda dlr, S: ts.query_gain_grad(dlr, strides, S, 0, k, m,
+                                                   h))
+    try:
+      err = _rel([fn(*args)], [want])
+      ms, first, _ = _median_ms(fn, args)
+    except Exception as ex:  # noqa: BLE001
+      print(f"{json.dumps(tu)}: ERROR {ex!r}"[:400], flush=True)
+      continue
+    rows.append(dict(what="query_gain_grad", tuning=dict(ts.QGRAD_TUNING),
+                     ms=ms, pct_copy=pct(ms), rel_err=err, compile_s=first))
+    print(f"query_gain_grad {json.dumps(tu):32s} {ms:8.3f} ms "
+          f"{pct(ms):5.1f}% copy ({ms / base:.3f}x XLA)  rel err {err:.1e}",
+          flush=True)
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump(dict(device=dev.device_kind, copy=cb, n=n, d=d, h=h, m=m,
                      group=a.group, rows=rows), f, indent=1)
 
 

@@ -28,7 +28,7 @@ the routing implementation (e.g. ``mhar:reference``) and ``+KEY=VALUE`` to
 override a model config key (e.g. ``prenorm+remat=True``; another section's
 with its name, ``mhar+train.loss_chunk_tokens=8192``; a Triton kernel's tuning
 with ``kernels.NAME``, NAME one of ``route``, ``source_grad``, ``sites``,
-``sources``: ``mhar+kernels.sites.warps=2``). Presets are config files in
+``sources``, ``query_gain``: ``mhar+kernels.sites.warps=2``). Presets are config files in
 ``configs/`` (``100m``, ``350m``, ``1b``, ``bench100m``, ...).
 
 Two phases: first every (preset, scheme) is compiled ahead of time, up to
@@ -71,7 +71,8 @@ def kernel_tunings() -> dict:
   from mhar_jax.kernels import triton_route, triton_stack
   return {"route": triton_route.TUNING, "source_grad": triton_stack.TUNING,
           "sites": triton_stack.SITES_TUNING,
-          "sources": triton_stack.SOURCES_TUNING}
+          "sources": triton_stack.SOURCES_TUNING,
+          "query_gain": triton_stack.QGRAD_TUNING}
 
 
 def load_preset(name):

@@ -186,11 +186,13 @@ def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
       grid=(triton.cdiv(n, bn),), num_warps=TUNING["warps"],
       poison=tr.POISON, dummy=t, **tile_meta(d, h), BN=bn,
       STAGES=TUNING["stages"], INIT=init is not None, PARTIAL=partial)
-  if _channel_block(c):                   # the buffer's row read in place
+  if _channel_block(c) and not (s_row is None
+                               and QGRAD_TUNING["xla_for_arrays"]):
     dt = query_gain_grad(dlr, (1, h * n, n), S, s_row or 0, n, m, h)
   else:
     dt = jnp.einsum("mhn,nhc->mhc", dlr, S[s_row or 0].astype(
-        jnp.float32).reshape(n, h, c)).reshape(m, d)
+        jnp.float32).reshape(n, h, c),
+                    precision=jax.lax.Precision.HIGHEST).reshape(m, d)
   return (ds, coef_out, dt) if partial else (ds, dt)
 
 
@@ -202,9 +204,15 @@ def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
 # parameter); this reads the rows in place. Programs: a block of BC channels
 # (within one head) x a chunk of at least ``chunk_tokens`` tokens (at most
 # ``max_chunks`` chunks) x a block of up to 64 sites, each writing its chunk's
-# partial sum; XLA adds the chunks. Not yet timed on the GPU.
+# partial sum; XLA adds the chunks. Session 19 (H200, 1b step profiled): 12.1
+# ms a step over 77 calls for the full method, 7.8 ms over 109 for Block
+# MHAR, i.e. ~1 TB/s; not yet tuned (benchmarks/source_grad.py --qgrad).
+# ``xla_for_arrays``: where the source is an array of its own rather than a
+# buffer's row (Block MHAR's block and partial sums, recomputed sources),
+# XLA's product instead, which reads such an operand without a copy.
 QGRAD_TUNING: dict = {"tokens_a_step": 64, "chunk_tokens": 1024,
-                      "max_chunks": 64, "warps": 4, "stages": 3}
+                      "max_chunks": 64, "warps": 4, "stages": 3,
+                      "xla_for_arrays": False}
 
 
 @triton.jit
@@ -893,7 +901,8 @@ def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
     dt = query_gain_grad(dlr, (h * m, 1, m), S, i0, gv * n, m, h)
   else:
     dt = jnp.einsum("gnhm,gnhc->mhc", dlr, S[i0:i0 + gv].astype(
-        jnp.float32).reshape(gv, n, h, c)).reshape(m, d)
+        jnp.float32).reshape(gv, n, h, c),
+                    precision=jax.lax.Precision.HIGHEST).reshape(m, d)
   return acc, coef, dt
 
 
