@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The tensor-core routing kernels' tunings at the 1b shape
 # (D 1280, H 8, bf16, 32,768 tokens), one H200 (device tool; carry .whl):
-#   bash benchmarks/gpu_kernel_sweep.sh [tests|sites|sources|all]
+#   bash benchmarks/gpu_kernel_sweep.sh [tests|sites|sources|qgrad|all]
 # tests:   both kernels and the query-gain product against the jnp
 #          references on the GPU (values, poisoned outputs, split cotangent
 #          buffers)
@@ -11,6 +11,10 @@
 # sources: triton_stack.sources_kernel, 16 sources' share of 16 sites (one
 #          block a token: the split cotangent buffers) and of 48, under
 #          SOURCES_TUNING variants (benchmarks/source_grad.py --group 16)
+# qgrad:   triton_stack.query_gain_grad (the query-gain product) under
+#          QGRAD_TUNING variants against XLA's einsum: one source's row with
+#          16 sites, and 16 sources' rows with 27 sites
+#          (benchmarks/source_grad.py --qgrad)
 # Raw output: $OUT/sweep-*.txt; the timing lines are printed.
 set -uo pipefail
 source benchmarks/gpu_env.sh || exit 1
@@ -37,5 +41,17 @@ if [[ $what == sources || $what == all ]]; then
       --tunings "$TUNINGS" > "$OUT/sweep-sources-m$m.txt" 2>&1
     echo "== sources, 16 x $m sites (rc $?)"
     grep -E "launches|sources_partial|ERROR" "$OUT/sweep-sources-m$m.txt"
+  done
+fi
+if [[ $what == qgrad || $what == all ]]; then
+  TUNINGS='[{}, {"warps": 1}, {"warps": 2}, {"stages": 2}, {"tokens_a_step": 32},
+    {"tokens_a_step": 128, "warps": 2}, {"chunk_tokens": 4096},
+    {"whole_heads": true}, {"whole_heads": true, "warps": 2},
+    {"whole_heads": true, "tokens_a_step": 32}, {"whole_heads": true, "chunk_tokens": 256}]'
+  for args in "--m 16" "--group 16 --m 27"; do
+    timeout 150 python3 benchmarks/source_grad.py --qgrad $args \
+      --tunings "$TUNINGS" > "$OUT/sweep-qgrad-${args// /}.txt" 2>&1
+    echo "== query-gain product, $args (rc $?)"
+    grep -E "XLA|query_gain_grad|ERROR" "$OUT/sweep-qgrad-${args// /}.txt"
   done
 fi

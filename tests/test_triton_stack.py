@@ -87,12 +87,13 @@ def test_kernel_matches_reference(kernel_module, n_tok, d, h, rows, i, m,
     (20, 128, 1, 2, 0, 2, 1, 64, 1024),  # AttnRes: C = 128, one site
     (33, 64, 4, 3, 2, 1, 16, 8, 8)])    # C = 16; chunks of one step
 @pytest.mark.parametrize("layout", ["source", "group"])
+@pytest.mark.parametrize("whole_heads", [False, True])
 def test_query_gain_grad_matches_einsum(kernel_module, n_tok, d, h, rows, row,
-                                        g, m, bk, chunk, layout):
+                                        g, m, bk, chunk, layout, whole_heads):
   """``query_gain_grad`` (the query-gain gradient's product over token rows
   of a buffer, read in place) against the einsum it replaces, for both
   callers' layouts: one source's ``dlr [M, H, N]`` and a group's ``[G, N,
-  H, M]``."""
+  H, M]``; programs over blocks of a head's channels or whole heads."""
   ts = kernel_module
   rng = np.random.default_rng(n_tok + m)
   S = jnp.asarray(rng.normal(size=(rows + g, n_tok, d)), jnp.float32)
@@ -112,6 +113,7 @@ def test_query_gain_grad_matches_einsum(kernel_module, n_tok, d, h, rows, row,
     mp.setattr(ts.tr, "_launch", interpreted_launch)
     mp.setitem(ts.QGRAD_TUNING, "tokens_a_step", bk)
     mp.setitem(ts.QGRAD_TUNING, "chunk_tokens", chunk)
+    mp.setitem(ts.QGRAD_TUNING, "whole_heads", whole_heads)
     got = ts.query_gain_grad(dlr, strides, S, row, g * n_tok, m, h)
   assert got.shape == (m, d)
   np.testing.assert_allclose(got, want.reshape(m, d), rtol=0,

@@ -162,6 +162,8 @@ def main(argv=None):
                   help="JSON dict merged into triton_stack.SOURCES_TUNING")
   ap.add_argument("--sites_tuning", default="",
                   help="JSON dict merged into triton_stack.SITES_TUNING")
+  ap.add_argument("--qgrad_tuning", default="",
+                  help="JSON dict merged into triton_stack.QGRAD_TUNING")
   ap.add_argument("--ones", action="store_true",
                   help="compile with every runtime int equal to 1, which "
                   "Triton specialises to a constexpr (code that calls "
@@ -176,6 +178,7 @@ def main(argv=None):
   a = ap.parse_args(argv)
   ts.TUNING.update(json.loads(a.source_grad_tuning or "{}"))
   ts.SOURCES_TUNING.update(json.loads(a.sources_tuning or "{}"))
+  ts.QGRAD_TUNING.update(json.loads(a.qgrad_tuning or "{}"))
   ts.SITES_TUNING.update(json.loads(a.sites_tuning or "{}"))
   meta = dict(tr.tile_meta(a.d, a.h), EPS=1e-6)
   bn = tr._tokens_per_program(tr.tile_width(a.d, a.h), 16, a.warps)
@@ -206,8 +209,8 @@ def main(argv=None):
   c = a.d // a.h
   tu = ts.QGRAD_TUNING
   runs["query_gain_grad"] = (ts.query_gain_grad_kernel, {"s_ptr"}, dict(
-      D=a.d, C=c, BC=ts._channel_block(c), MB=16, BK=tu["tokens_a_step"],
-      STAGES=tu["stages"], LOWP=True))
+      D=a.d, C=c, **dict(zip(("PW", "CA", "CB"), ts._qgrad_parts(c))), MB=16,
+      BK=tu["tokens_a_step"], STAGES=tu["stages"], LOWP=True))
   tu = ts.SITES_TUNING
   runs["sites"] = (ts.sites_kernel, {"x_ptr", "out_ptr"}, dict(
       tr.tile_meta(a.d, a.h), G=16, SB=tu["source_block"],

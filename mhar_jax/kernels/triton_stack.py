@@ -201,28 +201,34 @@ def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
 # source's N tokens, or a group's G x N), on tensor cores. XLA's product would
 # read a row range of a buffer that the backward updates in place only after
 # copying it out (XLA fuses a slice into a product's operand only from a
-# parameter); this reads the rows in place. Programs: a block of BC channels
-# (within one head) x a chunk of at least ``chunk_tokens`` tokens (at most
-# ``max_chunks`` chunks) x a block of up to 64 sites, each writing its chunk's
-# partial sum; XLA adds the chunks. Session 19 (H200, 1b step profiled): 12.1
-# ms a step over 77 calls for the full method, 7.8 ms over 109 for Block
-# MHAR, i.e. ~1 TB/s; not yet tuned (benchmarks/source_grad.py --qgrad).
-# ``xla_for_arrays``: where the source is an array of its own rather than a
-# buffer's row (Block MHAR's block and partial sums, recomputed sources),
-# XLA's product instead, which reads such an operand without a copy.
+# parameter); this reads the rows in place. Programs: a block of channels
+# within one head (``whole_heads``: the head's C channels as the two parts of
+# ``triton_route.head_parts``, each ``dlr`` element read once; else BC
+# channels, ``dlr`` read once a block) x a chunk of at least ``chunk_tokens``
+# tokens (at most ``max_chunks`` chunks) x a block of up to 64 sites, each
+# writing its chunk's partial sum; XLA adds the chunks. Session 19 (H200, the
+# 1b step profiled, BC blocks): 12.1 ms a step over 77 calls for the full
+# method, 7.8 ms over 109 for Block MHAR, ~1.2 TB/s; not yet tuned
+# (benchmarks/source_grad.py --qgrad). ``xla_for_arrays``: where the source is
+# an array of its own rather than a buffer's row (Block MHAR's block and
+# partial sums, recomputed sources), XLA's product instead, which reads such
+# an operand without a copy.
 QGRAD_TUNING: dict = {"tokens_a_step": 64, "chunk_tokens": 1024,
                       "max_chunks": 64, "warps": 4, "stages": 3,
-                      "xla_for_arrays": False}
+                      "whole_heads": False, "xla_for_arrays": False}
 
 
 @triton.jit
 def query_gain_grad_kernel(d_ptr, s_ptr, out_init, K, M, SK, SM, SH, S0, KC,
                            out_ptr, D: tl.constexpr, C: tl.constexpr,
-                           BC: tl.constexpr, MB: tl.constexpr,
+                           PW: tl.constexpr, CA: tl.constexpr,
+                           CB: tl.constexpr, MB: tl.constexpr,
                            BK: tl.constexpr, STAGES: tl.constexpr,
                            LOWP: tl.constexpr):
-  """Channels ``[BC p0, BC (p0 + 1))`` (head ``h``), tokens ``[KC p1, KC (p1
-  + 1))``, sites ``[MB p2, MB (p2 + 1))``::
+  """Channels ``[PW p0, PW (p0 + 1))`` (within one head ``h``; PW = C: the
+  whole head, as parts ``[0, CA)`` and ``[CA, C)`` of CB lanes, masked; CB =
+  0: one part, PW = CA), tokens ``[KC p1, KC (p1 + 1))``, sites ``[MB p2, MB
+  (p2 + 1))``::
 
       out[p1, m, c] = sum_k d[k SK + m SM + h SH] * s[S0 + k D + c]
 
@@ -231,40 +237,57 @@ def query_gain_grad_kernel(d_ptr, s_ptr, out_init, K, M, SK, SM, SH, S0, KC,
   in ``triton_route._launch``). LOWP (16-bit ``s``): ``d`` as two 16-bit
   terms (hi + lo, ~16 bits), else exact fp32 products.
   """
-  col0 = tl.program_id(0) * BC
+  col0 = tl.program_id(0) * PW
   chunk = tl.program_id(1)
   ms = tl.program_id(2) * MB + tl.arange(0, MB)
   mm = ms < M
   h = col0 // C
-  cols = col0 + tl.arange(0, BC)
+  ca = col0 + tl.arange(0, CA)
   kb = tl.arange(0, BK)
   sdt = s_ptr.dtype.element_ty
   drow = d_ptr + ms.to(tl.int64)[:, None] * SM + h * SH
-  srow = s_ptr + S0 + cols[None, :]         # S0: int64 where it must be
+  srow = s_ptr + S0                         # S0: int64 where it must be
   k_lo = chunk * KC
   k_hi = tl.minimum(K, k_lo + KC)
-  acc = tl.zeros((MB, BC), tl.float32)
+  acca = tl.zeros((MB, CA), tl.float32)
+  if CB > 0:
+    cb = col0 + CA + tl.arange(0, CB)
+    cbm = cb < col0 + C
+    accb = tl.zeros((MB, CB), tl.float32)
   for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
     ks = (k0 + kb).to(tl.int64)
     km = ks < k_hi
-    dl = tl.load(drow + ks[None, :] * SK, mask=mm[:, None] & km[None, :],
-                 other=0.0)
-    sv = tl.load(srow + ks[:, None] * D, mask=km[:, None], other=0.0)
-    if LOWP:
-      hi = dl.to(sdt)
-      acc += tl.dot(hi, sv) + tl.dot((dl - hi.to(tl.float32)).to(sdt), sv)
-    else:
-      acc += tl.dot(dl, sv.to(tl.float32), input_precision="ieee")
-  tl.store(out_ptr + (chunk * M + ms.to(tl.int64))[:, None] * D + cols[None, :],
-           acc, mask=mm[:, None])
+    hi, lo = _split(tl.load(drow + ks[None, :] * SK,
+                            mask=mm[:, None] & km[None, :], other=0.0),
+                    sdt, LOWP)
+    acca += _dot2(hi, lo, tl.load(srow + ks[:, None] * D + ca[None, :],
+                                  mask=km[:, None], other=0.0), LOWP)
+    if CB > 0:
+      sb = tl.load(srow + ks[:, None] * D + cb[None, :],
+                       mask=km[:, None] & cbm[None, :], other=0.0)
+      accb += _dot2(hi, lo, sb, LOWP)
+  orow = out_ptr + (chunk * M + ms.to(tl.int64))[:, None] * D
+  tl.store(orow + ca[None, :], acca, mask=mm[:, None])
+  if CB > 0:
+    tl.store(orow + cb[None, :], accb, mask=mm[:, None] & cbm[None, :])
 
 
 def _channel_block(c: int) -> int:
-  """Channels a program of :func:`query_gain_grad_kernel` takes: the largest
-  power of two dividing ``c``, at most 128 (0 when under 16, ``tl.dot``'s
-  minimum)."""
+  """Channels a program of :func:`query_gain_grad_kernel` takes in blocks:
+  the largest power of two dividing ``c``, at most 128 (0 when under 16,
+  ``tl.dot``'s minimum)."""
   bc = min(c & -c, 128)
   return bc if bc >= 16 else 0
+
+
+def _qgrad_parts(c: int) -> tuple[int, int, int]:
+  """``(PW, CA, CB)`` of :func:`query_gain_grad_kernel` for heads of ``c``
+  channels under ``QGRAD_TUNING`` (needs :func:`_channel_block`)."""
+  ca, cb = tr.head_parts(c)
+  if QGRAD_TUNING["whole_heads"] and ca >= 16 and (cb == 0 or cb >= 16):
+    return c, ca, cb                       # a head a program, two parts
+  bc = _channel_block(c)
+  return bc, bc, 0
 
 
 def query_gain_grad(dlr, strides, S, row: int, k: int, m: int, h: int):
@@ -275,11 +298,11 @@ def query_gain_grad(dlr, strides, S, row: int, k: int, m: int, h: int):
   with a power-of-two divisor >= 16 (:func:`_channel_block`)."""
   _, n, d = S.shape
   c = d // h
-  bc = _channel_block(c)
-  if not bc:
+  if not _channel_block(c):
     raise ValueError(f"query_gain_grad: {c} channels a head have no power-of"
                      "-two block of at least 16 lanes")
   tu = QGRAD_TUNING
+  pw, ca, cb = _qgrad_parts(c)
   bk = int(tu["tokens_a_step"])
   kc = max(int(tu["chunk_tokens"]), triton.cdiv(k, int(tu["max_chunks"])))
   kc = triton.cdiv(kc, bk) * bk
@@ -289,9 +312,9 @@ def query_gain_grad(dlr, strides, S, row: int, k: int, m: int, h: int):
       query_gain_grad_kernel, [dlr, S],
       [k, m, *strides, row * n * d, kc],
       [jax.ShapeDtypeStruct((chunks, m, d), jnp.float32)],
-      grid=(d // bc, chunks, triton.cdiv(m, mb)), num_warps=int(tu["warps"]),
-      poison=tr.POISON, dummy=dlr, D=d, C=c, BC=bc, MB=mb, BK=bk,
-      STAGES=int(tu["stages"]), LOWP=S.dtype != jnp.float32)
+      grid=(d // pw, chunks, triton.cdiv(m, mb)), num_warps=int(tu["warps"]),
+      poison=tr.POISON, dummy=dlr, D=d, C=c, PW=pw, CA=ca, CB=cb, MB=mb,
+      BK=bk, STAGES=int(tu["stages"]), LOWP=S.dtype != jnp.float32)
   return part.sum(0)
 
 
