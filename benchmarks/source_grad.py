@@ -4,7 +4,7 @@
         --tunings '[{}, {"stages": 3}, {"elems_per_thread": 24, "warps": 8}]'
 
 Times :func:`mhar_jax.kernels.triton_stack.source_grad_local` (the kernel and
-the small einsum for the query-gain gradient, what ``routed_stack``'s
+the query-gain gradient's product, what ``routed_stack``'s
 backward runs once per source) at ``N`` tokens x ``D``, H heads, bf16, with
 ``M`` sites reading the source, under each tuning of
 ``triton_stack.TUNING`` given (one JSON dict each, merged into the defaults).
@@ -25,12 +25,13 @@ reference (``stack.sources_partial`` / ``stack.source_grad``).
 With ``--qgrad`` it times the query-gain gradient's product alone
 (:func:`~mhar_jax.kernels.triton_stack.query_gain_grad`, ``dt[m, c] = sum_n
 dlr[n, m, h(c)] s[n, c]``) under each tuning of ``triton_stack.QGRAD_TUNING``
-in ``--tunings``, against XLA's product of the same arrays (the einsum the kernels' callers
-compute where the channels a head have no power-of-two block, or with
-``xla_for_arrays``): one source's N tokens with ``dlr`` as ``source_grad_kernel`` writes
-it (``[M, H, N]``), or with ``--group G`` G sources' rows with ``dlr`` as
-``sources_kernel`` writes it (``[G, N, H, M]``). Printed: ms and the bytes
-read (the rows and ``dlr`` once) a second as a share of copy bandwidth.
+in ``--tunings``, against XLA's product of the same arrays (the einsum the
+kernels' callers compute where the channels a head have no power-of-two
+block, or with ``xla_for_arrays``): one source's N tokens with ``dlr`` as
+``source_grad_kernel`` writes it (``[M, H, N]``), or with ``--group G`` G
+sources' rows with ``dlr`` as ``sources_kernel`` writes it (``[G, N, H,
+M]``). Printed: ms and the bytes read (the rows and ``dlr`` once) a second
+as a share of copy bandwidth.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ the routing implementation (e.g. ``mhar:reference``) and ``+KEY=VALUE`` to
 override a model config key (e.g. ``prenorm+remat=True``; another section's
 with its name, ``mhar+train.loss_chunk_tokens=8192``; a Triton kernel's tuning
 with ``kernels.NAME``, NAME one of ``route``, ``source_grad``, ``sites``,
-``sources``, ``query_gain``: ``mhar+kernels.sites.warps=2``). Presets are config files in
-``configs/`` (``100m``, ``350m``, ``1b``, ``bench100m``, ...).
+``sources``, ``query_gain``: ``mhar+kernels.sites.warps=2``). Presets are
+config files in ``configs/`` (``100m``, ``350m``, ``1b``, ``bench100m``, ...).
 
 Two phases: first every (preset, scheme) is compiled ahead of time, up to
 ``--compile_jobs`` processes at once (XLA's compile is host work), into JAX's

@@ -264,7 +264,7 @@ def query_gain_grad_kernel(d_ptr, s_ptr, out_init, K, M, SK, SM, SH, S0, KC,
                                   mask=km[:, None], other=0.0), LOWP)
     if CB > 0:
       sb = tl.load(srow + ks[:, None] * D + cb[None, :],
-                       mask=km[:, None] & cbm[None, :], other=0.0)
+                   mask=km[:, None] & cbm[None, :], other=0.0)
       accb += _dot2(hi, lo, sb, LOWP)
   orow = out_ptr + (chunk * M + ms.to(tl.int64))[:, None] * D
   tl.store(orow + ca[None, :], acca, mask=mm[:, None])
