@@ -13,6 +13,8 @@ import kernel_time  # noqa: E402
 @pytest.mark.parametrize("name,cat", [
     ("_fwd_kernel", "routing (Triton)"),
     ("source_grad_kernel", "routing (Triton)"),
+    ("sites_kernel", "routing (Triton)"),
+    ("query_gain_grad_kernel", "routing (Triton)"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16", "attention (cuDNN)"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
     ("nvjet_tst_192x192_64x3_2x1_v_bz_coopB_TNN", "matmul"),
@@ -27,10 +29,12 @@ def test_categorize(name, cat):
 
 
 def test_breakdown_divides_by_steps_and_ranks():
-  events = [("gemm_a", 4e6), ("gemm_a", 4e6), ("loop_add_fusion", 1e6),
-            ("_bwd_kernel", 3e6)]
+  # (name, ns, start ns): the add overlaps the first GEMM by 0.5 ms
+  events = [("gemm_a", 4e6, 0.0), ("gemm_a", 4e6, 10e6),
+            ("loop_add_fusion", 1e6, 3.5e6), ("_bwd_kernel", 3e6, 5e6)]
   b = kernel_time.breakdown(events, steps=2, top=2)
   assert b["total_ms"] == pytest.approx(6.0)
+  assert b["busy_ms"] == pytest.approx(5.75)
   assert b["categories"] == pytest.approx(
       {"matmul": 4.0, "routing (Triton)": 1.5, "elementwise fusion": 0.5})
   assert b["top"][0] == ("gemm_a", pytest.approx(4.0), 1.0)
@@ -38,7 +42,8 @@ def test_breakdown_divides_by_steps_and_ranks():
   assert b["kernels"]["loop_add_fusion"] == pytest.approx([0.5, 0.5])
   assert len(b["kernels"]) == 3
   text = kernel_time.format_breakdown("x", b, step_ms=8.0)
-  assert "75% busy" in text and "| matmul | 4.0 |" in text
+  assert "72% busy" in text and "| matmul | 4.0 |" in text
+  assert "overlap 0.2" in text
 
 
 def test_kernel_events_without_trace_or_device(tmp_path):
