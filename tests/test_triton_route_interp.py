@@ -277,7 +277,8 @@ def test_given_inverse_rms_drops_the_cross_warp_reduction(tmp_path):
 def test_every_kernel_compiles_with_runtime_ints_of_one(tmp_path):
   """Compiled for sm_90 with every runtime int argument equal to 1, which
   Triton specialises to a constexpr on the GPU (``N.to(...)`` on such an
-  argument fails only then, e.g. one token a shard or the site index 1)."""
+  argument fails only then, e.g. one token a shard or the site index 1);
+  the query-gain product in both of its program shapes."""
   import os
   import pathlib
   import subprocess
@@ -294,6 +295,13 @@ def test_every_kernel_compiles_with_runtime_ints_of_one(tmp_path):
     pytest.skip("this Triton cannot compile for sm_90 here")
   assert res.returncode == 0, res.stderr[-2000:]
   assert res.stdout.count('"regs"') == 11, res.stdout
+  res = subprocess.run(
+      [sys.executable, str(root / "tools" / "kernel_resources.py"), "--ones",
+       "--kernels", "query_gain_grad", "--qgrad_tuning",
+       '{"whole_heads": true}'], capture_output=True, text=True, env=env,
+      cwd=tmp_path, timeout=900)
+  assert res.returncode == 0, res.stderr[-2000:]
+  assert res.stdout.count('"regs"') == 1, res.stdout
 
 
 @pytest.mark.parametrize("given_r", [False, True])

@@ -208,9 +208,10 @@ def main(argv=None):
   }
   c = a.d // a.h
   tu = ts.QGRAD_TUNING
+  pw, ca, cb = ts._qgrad_parts(c)
   runs["query_gain_grad"] = (ts.query_gain_grad_kernel, {"s_ptr"}, dict(
-      D=a.d, C=c, **dict(zip(("PW", "CA", "CB"), ts._qgrad_parts(c))), MB=16,
-      BK=tu["tokens_a_step"], STAGES=tu["stages"], LOWP=True))
+      D=a.d, C=c, PW=pw, CA=ca, CB=cb, MB=16, BK=tu["tokens_a_step"],
+      STAGES=tu["stages"], LOWP=True))
   tu = ts.SITES_TUNING
   runs["sites"] = (ts.sites_kernel, {"x_ptr", "out_ptr"}, dict(
       tr.tile_meta(a.d, a.h), G=16, SB=tu["source_block"],
