@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The tensor-core routing kernels' tunings at the 1b shape
 # (D 1280, H 8, bf16, 32,768 tokens), one H200 (device tool; carry .whl):
-#   bash benchmarks/gpu_kernel_sweep.sh [tests|sites|sources|qgrad|all]
+#   bash benchmarks/gpu_kernel_sweep.sh [tests|sites|sources|qgrad|grad|all]
 # tests:   both kernels and the query-gain product against the jnp
 #          references on the GPU (values, poisoned outputs, split cotangent
 #          buffers)
@@ -15,6 +15,9 @@
 #          QGRAD_TUNING variants against XLA's einsum: one source's row with
 #          16 sites, and 16 sources' rows with 27 sites
 #          (benchmarks/source_grad.py --qgrad)
+# grad:    triton_stack.source_grad_kernel (one source's gradient from its
+#          group's 16 sites, with the query-gain product) under TUNING
+#          variants (benchmarks/source_grad.py --m 16)
 # Raw output: $OUT/sweep-*.txt; the timing lines are printed.
 set -uo pipefail
 source benchmarks/gpu_env.sh || exit 1
@@ -54,4 +57,13 @@ if [[ $what == qgrad || $what == all ]]; then
     echo "== query-gain product, $args (rc $?)"
     grep -E "XLA|query_gain_grad|ERROR" "$OUT/sweep-qgrad-${args// /}.txt"
   done
+fi
+if [[ $what == grad || $what == all ]]; then
+  TUNINGS='[{}, {"elems_per_thread": 12}, {"elems_per_thread": 48},
+    {"warps": 8}, {"warps": 2}, {"stages": 2}, {"stages": 4},
+    {"elems_per_thread": 48, "warps": 8}]'
+  timeout 200 python3 benchmarks/source_grad.py --m 16 --tunings "$TUNINGS" \
+    > "$OUT/sweep-grad.txt" 2>&1
+  echo "== source gradient, 16 sites (rc $?)"
+  grep -E "tokens|source_grad|ERROR|copy" "$OUT/sweep-grad.txt"
 fi
