@@ -47,16 +47,35 @@ if [[ $what == sources || $what == all ]]; then
   done
 fi
 if [[ $what == qgrad || $what == all ]]; then
-  TUNINGS='[{}, {"warps": 1}, {"warps": 2}, {"stages": 2}, {"tokens_a_step": 32},
-    {"tokens_a_step": 128, "warps": 2}, {"chunk_tokens": 4096},
-    {"whole_heads": true}, {"whole_heads": true, "warps": 2},
-    {"whole_heads": true, "tokens_a_step": 32}, {"whole_heads": true, "chunk_tokens": 256}]'
-  for args in "--m 16" "--group 16 --m 27"; do
+  TUNINGS=$(python3 -c 'import json; print(json.dumps([{}, {"stages": 2},
+    {"stages": 4}] + [{f"sites{b}": wt for b in (16, 32, 64)} for wt in
+    ("2x32", "2x64", "4x32", "4x128", "8x32", "8x64", "8x128")]))')
+  for args in "--m 16" "--group 16 --m 27" "--group 16 --m 59"; do
+    name=sweep-qgrad-${args// /}
     timeout 150 python3 benchmarks/source_grad.py --qgrad $args \
-      --tunings "$TUNINGS" > "$OUT/sweep-qgrad-${args// /}.txt" 2>&1
+      --tunings "$TUNINGS" --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
     echo "== query-gain product, $args (rc $?)"
-    grep -E "XLA|query_gain_grad|ERROR" "$OUT/sweep-qgrad-${args// /}.txt"
+    grep -E "XLA|query_gain_grad|ERROR" "$OUT/$name.txt"
   done
+  # The fastest warps x tokens a step for each site block (one source's 16
+  # sites: block 16; a group's 27: 32; 59: 64) as throughput.py overrides,
+  # also left in $QGRAD_BEST for a later call on the same machine.
+  python3 - "$OUT" <<'PY' | tee "${QGRAD_BEST:-/tmp/qgrad_best}"
+import json, sys
+best = []
+for name, mb in (("--m16", 16), ("--group16--m27", 32), ("--group16--m59", 64)):
+  try:
+    rows = json.load(open(f"{sys.argv[1]}/sweep-qgrad-{name}.json"))["rows"]
+  except OSError:
+    continue
+  rows = [r for r in rows if r["what"] == "query_gain_grad"]
+  # among the default stages (the first row's: the defaults)
+  rows = [r for r in rows if r["tuning"]["stages"] == rows[0]["tuning"]["stages"]]
+  if rows:
+    fast = min(rows, key=lambda r: r["ms"])
+    best += [f"kernels.query_gain.sites{mb}={fast['tuning'][f'sites{mb}']}"]
+print("+".join(best))
+PY
 fi
 if [[ $what == grad || $what == all ]]; then
   TUNINGS='[{}, {"elems_per_thread": 12}, {"elems_per_thread": 48},

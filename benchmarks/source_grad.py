@@ -30,8 +30,8 @@ kernels' callers compute where the channels a head have no power-of-two
 block, or with ``xla_for_arrays``): one source's N tokens with ``dlr`` as
 ``source_grad_kernel`` writes it (``[M, H, N]``), or with ``--group G`` G
 sources' rows with ``dlr`` as ``sources_kernel`` writes it (``[G, N, H,
-M]``). Printed: ms and the bytes read (the rows and ``dlr`` once) a second
-as a share of copy bandwidth.
+MP]``, sites padded to whole blocks). Printed: ms and the bytes read (the
+rows and ``dlr``'s M sites once) a second as a share of copy bandwidth.
 """
 
 from __future__ import annotations
@@ -184,11 +184,14 @@ def qgrad(a):
         flush=True)
   ks = jax.random.split(jax.random.key(0), 2)
   S = jax.random.normal(ks[0], (g, n, d), jnp.bfloat16)
-  if a.group:            # sources_kernel's layout [G, N, H, M]
-    dlr = jax.random.normal(ks[1], (g, n, h, m))
-    strides, k = (h * m, 1, m), g * n
+  if a.group:            # sources_kernel's layout [G, N, H, MP], padded
+    mp = -(-m // ts.SOURCES_TUNING["site_block"]) * ts.SOURCES_TUNING[
+        "site_block"]
+    dlr = jax.random.normal(ks[1], (g, n, h, mp))
+    strides, k = (h * mp, 1, mp), g * n
     xla = jax.jit(lambda dlr, S: jnp.einsum(
-        "gnhm,gnhc->mhc", dlr, S.astype(jnp.float32).reshape(g, n, h, c),
+        "gnhm,gnhc->mhc", dlr[..., :m],
+        S.astype(jnp.float32).reshape(g, n, h, c),
         precision=jax.lax.Precision.HIGHEST)
         .reshape(m, d))
   else:                  # source_grad_kernel's layout [M, H, N]
@@ -201,7 +204,7 @@ def qgrad(a):
   args = (dlr, S)
   want = xla(*args)
   base, _, _ = _median_ms(xla, args)
-  nbytes = g * n * d * 2 + dlr.size * 4
+  nbytes = g * n * d * 2 + g * n * h * m * 4
   pct = lambda ms: 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs  # noqa: E731
   print(f"XLA einsum {'':38s} {base:8.3f} ms {pct(base):5.1f}% copy",
         flush=True)

@@ -256,16 +256,19 @@ def test_group_kernels_split_cotangents(dtype, d, heads, gv, m1, m2):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("d,heads,g,m", [(1280, 8, 1, 37), (1280, 8, 16, 48),
                                          (1024, 1, 1, 73), (512, 16, 9, 5)])
-@pytest.mark.parametrize("whole_heads", [False, True])
+@pytest.mark.parametrize("n_tok,tuning", [
+    (1000, {}),                        # ragged chunks, misaligned rows
+    (1024, {"sites16": "2x32", "sites32": "8x128", "sites64": "2x32"})])
 def test_query_gain_grad_matches_einsum(monkeypatch, dtype, d, heads, g, m,
-                                        whole_heads):
+                                        n_tok, tuning):
   """The query-gain gradient's product over token rows of a buffer (read in
-  place; 1000 tokens a row: ragged chunks) against the einsum at the
-  highest precision, in both callers' layouts of ``dlr``, programs over
-  blocks of a head's channels or whole heads; output poisoned first."""
+  place) against the einsum at the highest precision, in both callers'
+  layouts of ``dlr``, under the default tunings and others; output poisoned
+  first."""
   from mhar_jax.kernels import triton_route, triton_stack
-  monkeypatch.setitem(triton_stack.QGRAD_TUNING, "whole_heads", whole_heads)
-  n_tok, row = 1000, 2
+  for key, value in tuning.items():
+    monkeypatch.setitem(triton_stack.QGRAD_TUNING, key, value)
+  row = 2
   ks = jax.random.split(jax.random.key(d + g + m), 2)
   S = jax.random.normal(ks[0], (row + g + 1, n_tok, d)).astype(dtype)
   src = S[row:row + g].astype(jnp.float32).reshape(g, n_tok, heads, -1)

@@ -297,8 +297,8 @@ def test_every_kernel_compiles_with_runtime_ints_of_one(tmp_path):
   assert res.stdout.count('"regs"') == 11, res.stdout
   res = subprocess.run(
       [sys.executable, str(root / "tools" / "kernel_resources.py"), "--ones",
-       "--kernels", "query_gain_grad", "--qgrad_tuning",
-       '{"whole_heads": true}'], capture_output=True, text=True, env=env,
+       "--kernels", "query_gain_grad", "--qgrad_sites", "40", "--qgrad_unit",
+       "2"], capture_output=True, text=True, env=env,
       cwd=tmp_path, timeout=900)
   assert res.returncode == 0, res.stderr[-2000:]
   assert res.stdout.count('"regs"') == 1, res.stdout

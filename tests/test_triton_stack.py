@@ -82,18 +82,19 @@ def test_kernel_matches_reference(kernel_module, n_tok, d, h, rows, i, m,
 
 
 @pytest.mark.parametrize("n_tok,d,h,rows,row,g,m,bk,chunk", [
-    (70, 320, 2, 4, 1, 1, 5, 16, 16),   # C = 160: 32-lane blocks; ragged
+    (70, 320, 2, 4, 1, 1, 5, 16, 16),   # C = 160 = 128 + 32; ragged
     (37, 192, 2, 5, 2, 3, 70, 16, 32),  # C = 96; 70 sites: two site blocks
     (20, 128, 1, 2, 0, 2, 1, 64, 1024),  # AttnRes: C = 128, one site
-    (33, 64, 4, 3, 2, 1, 16, 8, 8)])    # C = 16; chunks of one step
+    (33, 64, 4, 3, 2, 1, 16, 8, 8),     # C = 16; chunks of one step
+    (64, 320, 2, 4, 1, 2, 8, 16, 32),   # whole token steps; aligned rows
+    (32, 352, 2, 3, 0, 2, 8, 16, 16)])  # C = 176 = 128 + 48 (lanes masked)
 @pytest.mark.parametrize("layout", ["source", "group"])
-@pytest.mark.parametrize("whole_heads", [False, True])
 def test_query_gain_grad_matches_einsum(kernel_module, n_tok, d, h, rows, row,
-                                        g, m, bk, chunk, layout, whole_heads):
+                                        g, m, bk, chunk, layout):
   """``query_gain_grad`` (the query-gain gradient's product over token rows
   of a buffer, read in place) against the einsum it replaces, for both
   callers' layouts: one source's ``dlr [M, H, N]`` and a group's ``[G, N,
-  H, M]``; programs over blocks of a head's channels or whole heads."""
+  H, M]``."""
   ts = kernel_module
   rng = np.random.default_rng(n_tok + m)
   S = jnp.asarray(rng.normal(size=(rows + g, n_tok, d)), jnp.float32)
@@ -111,9 +112,9 @@ def test_query_gain_grad_matches_einsum(kernel_module, n_tok, d, h, rows, row,
     want = jnp.einsum("gnhm,gnhc->mhc", dlr, src)
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(ts.tr, "_launch", interpreted_launch)
-    mp.setitem(ts.QGRAD_TUNING, "tokens_a_step", bk)
+    for mb in (16, 32, 64):
+      mp.setitem(ts.QGRAD_TUNING, f"sites{mb}", f"4x{bk}")
     mp.setitem(ts.QGRAD_TUNING, "chunk_tokens", chunk)
-    mp.setitem(ts.QGRAD_TUNING, "whole_heads", whole_heads)
     got = ts.query_gain_grad(dlr, strides, S, row, g * n_tok, m, h)
   assert got.shape == (m, d)
   np.testing.assert_allclose(got, want.reshape(m, d), rtol=0,

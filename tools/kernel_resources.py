@@ -58,8 +58,7 @@ BF16 = {"fwd": SLOTS("s") | {"out_ptr", "i_out"},
         "bwd": SLOTS("s") | SLOTS("ds") | SLOTS("i") | {"g_ptr"},
         "source_grad": {"s_ptr", "dx_ptr", "ds_ptr"}}
 SCALARS = {"N", "I0", "NTILES", "I", "M", "S", "GV", "J0", "IX", "IS", "IA",
-           "JX", "K", "SK", "SM", "SH", "KC"}
-SCALARS64 = {"S0"}      # an element offset past 2^31 at 1b: jax-triton's i64
+           "JX", "K", "SK", "SM", "SH", "KC", "ROW"}
 
 
 def compile_kernel(fn, bf16, constexprs, warps):
@@ -71,8 +70,6 @@ def compile_kernel(fn, bf16, constexprs, warps):
       sig[n] = "constexpr"
     elif n in SCALARS:
       sig[n] = "i32"
-    elif n in SCALARS64:
-      sig[n] = "i64"
     else:
       sig[n] = "*bf16" if n in bf16 else "*fp32"
       attrs[(i,)] = [["tt.divisibility", 16]]
@@ -164,6 +161,13 @@ def main(argv=None):
                   help="JSON dict merged into triton_stack.SITES_TUNING")
   ap.add_argument("--qgrad_tuning", default="",
                   help="JSON dict merged into triton_stack.QGRAD_TUNING")
+  ap.add_argument("--qgrad_sites", type=int, default=16,
+                  help="query_gain_grad: the sites it is compiled for (its "
+                  "site block and, by default, warps and tokens a step)")
+  ap.add_argument("--qgrad_unit", type=int, default=1, choices=(1, 2),
+                  help="query_gain_grad: 1 compiles dlr as source_grad writes "
+                  "it (tokens contiguous), 2 as sources_kernel does (sites,"
+                  " padded to whole site blocks)")
   ap.add_argument("--ones", action="store_true",
                   help="compile with every runtime int equal to 1, which "
                   "Triton specialises to a constexpr (code that calls "
@@ -207,11 +211,12 @@ def main(argv=None):
           STAGES=ts.TUNING["stages"], INIT=True, PARTIAL=False)),
   }
   c = a.d // a.h
-  tu = ts.QGRAD_TUNING
-  pw, ca, cb = ts._qgrad_parts(c)
+  qgrad = ts.qgrad_launch(c, a.qgrad_sites)
+  qgrad_warps = qgrad.pop("warps")
   runs["query_gain_grad"] = (ts.query_gain_grad_kernel, {"s_ptr"}, dict(
-      D=a.d, C=c, PW=pw, CA=ca, CB=cb, MB=16, BK=tu["tokens_a_step"],
-      STAGES=tu["stages"], LOWP=True))
+      D=a.d, C=c, STAGES=ts.QGRAD_TUNING["stages"], LOWP=True,
+      UNIT=a.qgrad_unit, DA=4, EVEN_K=True, WHOLE_M=a.qgrad_unit == 2,
+      **qgrad))
   tu = ts.SITES_TUNING
   runs["sites"] = (ts.sites_kernel, {"x_ptr", "out_ptr"}, dict(
       tr.tile_meta(a.d, a.h), G=16, SB=tu["source_block"],
@@ -232,10 +237,10 @@ def main(argv=None):
              "source_grad_init": ts.TUNING["warps"],
              "sites": ts.SITES_TUNING["warps"],
              "sources": ts.SOURCES_TUNING["warps"],
-             "query_gain_grad": ts.QGRAD_TUNING["warps"]}.get(name, a.warps)
+             "query_gain_grad": qgrad_warps}.get(name, a.warps)
     cons = {k: v for k, v in cons.items() if k in fn.arg_names}
     if a.ones:
-      cons.update({k: 1 for k in fn.arg_names if k in SCALARS | SCALARS64})
+      cons.update({k: 1 for k in fn.arg_names if k in SCALARS})
     rows.append(report(name, *compile_kernel(fn, bf16, cons, warps), warps,
                        a.opcodes))
     print(json.dumps(rows[-1]), flush=True)

@@ -186,7 +186,7 @@ def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
       grid=(triton.cdiv(n, bn),), num_warps=TUNING["warps"],
       poison=tr.POISON, dummy=t, **tile_meta(d, h), BN=bn,
       STAGES=TUNING["stages"], INIT=init is not None, PARTIAL=partial)
-  if _channel_block(c) and not (s_row is None
+  if qgrad_supported(c) and not (s_row is None
                                and QGRAD_TUNING["xla_for_arrays"]):
     dt = query_gain_grad(dlr, (1, h * n, n), S, s_row or 0, n, m, h)
   else:
@@ -201,120 +201,160 @@ def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
 # source's N tokens, or a group's G x N), on tensor cores. XLA's product would
 # read a row range of a buffer that the backward updates in place only after
 # copying it out (XLA fuses a slice into a product's operand only from a
-# parameter); this reads the rows in place. Programs: a block of channels
-# within one head (``whole_heads``: the head's C channels as the two parts of
-# ``triton_route.head_parts``, each ``dlr`` element read once; else BC
-# channels, ``dlr`` read once a block) x a chunk of at least ``chunk_tokens``
-# tokens (at most ``max_chunks`` chunks) x a block of up to 64 sites, each
-# writing its chunk's partial sum; XLA adds the chunks. Session 19 (H200, the
-# 1b step profiled, BC blocks): 12.1 ms a step over 77 calls for the full
-# method, 7.8 ms over 109 for Block MHAR, ~1.2 TB/s; not yet tuned
-# (benchmarks/source_grad.py --qgrad). ``xla_for_arrays``: where the source is
-# an array of its own rather than a buffer's row (Block MHAR's block and
-# partial sums, recomputed sources), XLA's product instead, which reads such
-# an operand without a copy.
-QGRAD_TUNING: dict = {"tokens_a_step": 64, "chunk_tokens": 1024,
-                      "max_chunks": 64, "warps": 4, "stages": 3,
-                      "whole_heads": False, "xla_for_arrays": False}
+# parameter); this reads the rows in place. Programs: one head (its C
+# channels as the two parts of ``triton_route.head_parts``: each ``dlr``
+# element read once) x a chunk of at least ``chunk_tokens`` tokens (at most
+# ``max_chunks`` chunks) x a block of MB (16, 32 or 64) sites, each writing its
+# chunk's partial sum; XLA adds the chunks. ``sites16`` / ``sites32`` /
+# ``sites64``: ``"WxT"``, W warps and T tokens a step for that site block.
+# ``xla_for_arrays``: where the source is an array of its own rather than a
+# buffer's row (Block MHAR's block and partial sums, recomputed sources),
+# XLA's product instead, which reads such an operand without a copy.
+# One H100, D 1280, H 8 (benchmarks/source_grad.py --qgrad; RESULTS.md
+# session 20): whole heads took 0.92x the time of 32-channel blocks (since
+# removed) for one source x 16 sites and 0.64x for 16 sources x 27 sites.
+QGRAD_TUNING: dict = {"chunk_tokens": 1024, "max_chunks": 64, "stages": 3,
+                      "sites16": "4x64", "sites32": "4x64", "sites64": "4x64",
+                      "xla_for_arrays": False}
 
 
 @triton.jit
-def query_gain_grad_kernel(d_ptr, s_ptr, out_init, K, M, SK, SM, SH, S0, KC,
-                           out_ptr, D: tl.constexpr, C: tl.constexpr,
-                           PW: tl.constexpr, CA: tl.constexpr,
-                           CB: tl.constexpr, MB: tl.constexpr,
-                           BK: tl.constexpr, STAGES: tl.constexpr,
-                           LOWP: tl.constexpr):
-  """Channels ``[PW p0, PW (p0 + 1))`` (within one head ``h``; PW = C: the
-  whole head, as parts ``[0, CA)`` and ``[CA, C)`` of CB lanes, masked; CB =
-  0: one part, PW = CA), tokens ``[KC p1, KC (p1 + 1))``, sites ``[MB p2, MB
-  (p2 + 1))``::
+def query_gain_grad_kernel(d_ptr, s_ptr, out_init, K, M, SK, SM, SH, ROW, N,
+                           KC, out_ptr, D: tl.constexpr, C: tl.constexpr,
+                           CA: tl.constexpr, CB: tl.constexpr,
+                           MB: tl.constexpr, BK: tl.constexpr,
+                           STAGES: tl.constexpr,
+                           LOWP: tl.constexpr, UNIT: tl.constexpr,
+                           DA: tl.constexpr, EVEN_K: tl.constexpr,
+                           WHOLE_M: tl.constexpr):
+  """Head ``h = p0`` (its C channels as parts ``[0, CA)`` and ``[CA, C)`` of
+  CB lanes, masked unless CB = C - CA; CB = 0: one part), tokens ``[KC p1,
+  KC (p1 + 1))``, sites ``[MB p2, MB (p2 + 1))``::
 
-      out[p1, m, c] = sum_k d[k SK + m SM + h SH] * s[S0 + k D + c]
+      out[p1, m, c] = sum_k d[k SK + m SM + h SH] * s[(ROW N + k) D + c]
 
-  ``d_ptr`` fp32, ``s_ptr`` a buffer of rows ``[.., D]`` (K of them from
-  element ``S0``), ``out_ptr [chunks, M, D]`` fp32 (``out_init``: unused, as
-  in ``triton_route._launch``). LOWP (16-bit ``s``): ``d`` as two 16-bit
-  terms (hi + lo, ~16 bits), else exact fp32 products.
+  ``d_ptr`` fp32, ``s_ptr`` a buffer of rows ``[.., N, D]`` (K token rows
+  read from row ``ROW``), ``out_ptr [chunks, M, D]`` fp32 (``out_init``:
+  unused, as in ``triton_route._launch``). UNIT 1: tokens are contiguous in
+  ``d`` (SK = 1), UNIT 2: sites are (SM = 1); the other two strides are
+  given divided by DA (so that the compiler knows the rows' alignment, as it
+  knows ``s``'s from D). EVEN_K: K is a multiple of BK (no token mask).
+  WHOLE_M: ``d`` is read in whole site blocks (no site mask: rows past M
+  exist and reach only output rows that are not stored).
+  LOWP (16-bit ``s``): ``d`` as two 16-bit terms (hi + lo, ~16 bits), else
+  exact fp32 products.
   """
-  col0 = tl.program_id(0) * PW
+  h = tl.program_id(0).to(tl.int64)
+  col0 = h * C
   chunk = tl.program_id(1)
   ms = tl.program_id(2) * MB + tl.arange(0, MB)
   mm = ms < M
-  h = col0 // C
+  m64 = ms.to(tl.int64)
   ca = col0 + tl.arange(0, CA)
   kb = tl.arange(0, BK)
   sdt = s_ptr.dtype.element_ty
-  drow = d_ptr + ms.to(tl.int64)[:, None] * SM + h * SH
-  srow = s_ptr + S0                         # S0: int64 where it must be
+  if UNIT == 1:
+    drow = d_ptr + (m64[:, None] * SM + h * SH) * DA
+  else:
+    drow = d_ptr + m64[:, None] + h * SH * DA
+  srow = s_ptr + (ROW + tl.zeros((), tl.int64)) * N * D   # ROW may be 1
   k_lo = chunk * KC
   k_hi = tl.minimum(K, k_lo + KC)
   acca = tl.zeros((MB, CA), tl.float32)
+  FULL_B: tl.constexpr = CB == C - CA      # part B's lanes all channels
   if CB > 0:
     cb = col0 + CA + tl.arange(0, CB)
     cbm = cb < col0 + C
     accb = tl.zeros((MB, CB), tl.float32)
   for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
     ks = (k0 + kb).to(tl.int64)
-    km = ks < k_hi
-    hi, lo = _split(tl.load(drow + ks[None, :] * SK,
-                            mask=mm[:, None] & km[None, :], other=0.0),
-                    sdt, LOWP)
-    acca += _dot2(hi, lo, tl.load(srow + ks[:, None] * D + ca[None, :],
-                                  mask=km[:, None], other=0.0), LOWP)
+    if EVEN_K:
+      km = kb < BK
+    else:
+      km = ks < k_hi
+    if UNIT == 1:
+      dk = drow + ks[None, :]
+    else:
+      dk = drow + ks[None, :] * SK * DA
+    if WHOLE_M and EVEN_K:
+      d = tl.load(dk)
+    elif WHOLE_M:
+      d = tl.load(dk, mask=km[None, :], other=0.0)
+    else:
+      d = tl.load(dk, mask=mm[:, None] & km[None, :], other=0.0)
+    hi, lo = _split(d, sdt, LOWP)
+    sk = srow + ks[:, None] * D
+    if EVEN_K:
+      sa = tl.load(sk + ca[None, :])
+    else:
+      sa = tl.load(sk + ca[None, :], mask=km[:, None], other=0.0)
+    acca += _dot2(hi, lo, sa, LOWP)
     if CB > 0:
-      sb = tl.load(srow + ks[:, None] * D + cb[None, :],
-                   mask=km[:, None] & cbm[None, :], other=0.0)
+      if EVEN_K and FULL_B:
+        sb = tl.load(sk + cb[None, :])
+      else:
+        sb = tl.load(sk + cb[None, :], mask=km[:, None] & cbm[None, :],
+                     other=0.0)
       accb += _dot2(hi, lo, sb, LOWP)
-  orow = out_ptr + (chunk * M + ms.to(tl.int64))[:, None] * D
+  orow = out_ptr + (chunk * M + m64)[:, None] * D
   tl.store(orow + ca[None, :], acca, mask=mm[:, None])
   if CB > 0:
     tl.store(orow + cb[None, :], accb, mask=mm[:, None] & cbm[None, :])
 
 
-def _channel_block(c: int) -> int:
-  """Channels a program of :func:`query_gain_grad_kernel` takes in blocks:
-  the largest power of two dividing ``c``, at most 128 (0 when under 16,
-  ``tl.dot``'s minimum)."""
-  bc = min(c & -c, 128)
-  return bc if bc >= 16 else 0
-
-
-def _qgrad_parts(c: int) -> tuple[int, int, int]:
-  """``(PW, CA, CB)`` of :func:`query_gain_grad_kernel` for heads of ``c``
-  channels under ``QGRAD_TUNING`` (needs :func:`_channel_block`)."""
+def qgrad_supported(c: int) -> bool:
+  """Whether :func:`query_gain_grad` takes heads of ``c`` channels: both
+  parts of ``head_parts(c)`` at least ``tl.dot``'s 16 lanes (or one part)."""
   ca, cb = tr.head_parts(c)
-  if QGRAD_TUNING["whole_heads"] and ca >= 16 and (cb == 0 or cb >= 16):
-    return c, ca, cb                       # a head a program, two parts
-  bc = _channel_block(c)
-  return bc, bc, 0
+  return ca >= 16 and (cb == 0 or cb >= 16)
+
+
+def qgrad_launch(c: int, m: int) -> dict:
+  """Constexprs ``CA``, ``CB``, ``MB``, ``BK`` and ``warps`` of
+  :func:`query_gain_grad_kernel` for heads of ``c`` channels and ``m``
+  sites, under ``QGRAD_TUNING``."""
+  mb = min(64, max(16, 1 << (m - 1).bit_length()))
+  warps, bk = (int(x) for x in QGRAD_TUNING[f"sites{mb}"].split("x"))
+  ca, cb = tr.head_parts(c)
+  return dict(CA=ca, CB=cb, MB=mb, BK=bk, warps=warps)
 
 
 def query_gain_grad(dlr, strides, S, row: int, k: int, m: int, h: int):
   """``dt [m, D]`` fp32: ``sum_k dlr[k, j, head] S_k`` over the ``k`` token
   rows of ``S [R, N, D]`` from row ``row`` (``row`` x N tokens in), where
   ``dlr``'s element (token k, site j, head) is at ``k SK + j SM + head SH``
-  for ``strides = (SK, SM, SH)``. Reads ``S`` in place; needs a head width
-  with a power-of-two divisor >= 16 (:func:`_channel_block`)."""
+  for ``strides = (SK, SM, SH)``, SK or SM one. Reads ``S`` in place; needs
+  :func:`qgrad_supported` heads."""
   _, n, d = S.shape
   c = d // h
-  if not _channel_block(c):
-    raise ValueError(f"query_gain_grad: {c} channels a head have no power-of"
-                     "-two block of at least 16 lanes")
+  if not qgrad_supported(c):
+    raise ValueError(f"query_gain_grad: heads of {c} channels split as "
+                     f"{tr.head_parts(c)}, a part under 16 lanes")
+  sk, sm, sh = strides
+  if 1 not in (sk, sm):
+    raise ValueError(f"query_gain_grad: strides {strides} have neither "
+                     "tokens nor sites contiguous")
+  unit = 1 if sk == 1 else 2
+  rest = (sm, sh) if unit == 1 else (sk, sh)
+  da = next(a for a in (4, 2, 1) if all(x % a == 0 for x in rest))
   tu = QGRAD_TUNING
-  pw, ca, cb = _qgrad_parts(c)
-  bk = int(tu["tokens_a_step"])
+  cfg = qgrad_launch(c, m)
+  warps, bk = cfg.pop("warps"), cfg["BK"]
+  # Sites contiguous: a site block past M stays within the head's row when
+  # the row is padded that far (as sources_kernel pads it).
+  whole_m = unit == 2 and triton.cdiv(m, cfg["MB"]) * cfg["MB"] <= sh
   kc = max(int(tu["chunk_tokens"]), triton.cdiv(k, int(tu["max_chunks"])))
   kc = triton.cdiv(kc, bk) * bk
   chunks = triton.cdiv(k, kc)
-  mb = min(64, max(16, 1 << (m - 1).bit_length()))
   (part,) = tr._launch(
       query_gain_grad_kernel, [dlr, S],
-      [k, m, *strides, row * n * d, kc],
+      [k, m, sk // da if unit == 2 else 1, sm // da if unit == 1 else 1,
+       sh // da, row, n, kc],
       [jax.ShapeDtypeStruct((chunks, m, d), jnp.float32)],
-      grid=(d // pw, chunks, triton.cdiv(m, mb)), num_warps=int(tu["warps"]),
-      poison=tr.POISON, dummy=dlr, D=d, C=c, PW=pw, CA=ca, CB=cb, MB=mb,
-      BK=bk, STAGES=int(tu["stages"]), LOWP=S.dtype != jnp.float32)
+      grid=(h, chunks, triton.cdiv(m, cfg["MB"])),
+      num_warps=warps, poison=tr.POISON, dummy=dlr, D=d, C=c,
+      STAGES=int(tu["stages"]), LOWP=S.dtype != jnp.float32, UNIT=unit,
+      DA=da, EVEN_K=k % bk == 0, WHOLE_M=whole_m, **cfg)
   return part.sum(0)
 
 
@@ -822,8 +862,9 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
   ``tlo_ptr`` unused), ``lse_ptr``/``xd_ptr [R', N, H]`` fp32; ``dx_ptr
   [R'', N, D]`` the site cotangents, site ``J0 + k`` in row ``JX + k``.
   Outputs ``acc_ptr [GV, N, D]`` (sources' dtype), ``coef_ptr [GV, N, H]``
-  fp32 and ``dlr_ptr [GV, N, H, M]`` fp32 (``dlogit * r`` of every pair, for
-  the query-gain gradient; ``*_init``: unused, as in
+  fp32 and ``dlr_ptr [GV, N, H, MP]`` fp32 (``dlogit * r`` of every pair,
+  for the query-gain gradient, sites padded with zeros to MP, M rounded up to
+  a multiple of MB; ``*_init``: unused, as in
   ``triton_route._launch``). INIT: ``acc_ptr``/``coef_ptr`` hold the share of
   other sites on entry (the caller aliases them to ``acc_in``/``coef_in``),
   which the sums continue; otherwise ``acc_in``/``coef_in`` are unused::
@@ -864,7 +905,8 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
   g64 = g.to(tl.int64)
   srow = (I0 + g).to(tl.int64) * nd + h * C
   grow = g64 * nd + h * C
-  doff0 = g64[:, None] * nh * M + kb[None, :]   # + the token's (n H + h) M
+  mp = tl.cdiv(M, MB) * MB                   # dlr's sites, padded
+  doff0 = g64[:, None] * nh * mp + kb[None, :]  # + the token's (n H + h) mp
   coef = tl.zeros((G,), tl.float32)
   acca = tl.zeros((G, CA), tl.float32)
   accb = tl.zeros((G, CB if CB > 0 else CA), tl.float32)
@@ -880,9 +922,9 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
     ok = tl.where(nn < N, gm, False)      # rows of a token that exists
     coef, acca, accb = _sources_block(
         t_ptr, tlo_ptr, dx_ptr, lse_ptr, xd_ptr,
-        dlr_ptr + (n * H + h) * M, toff0 + k0 * D,
+        dlr_ptr + (n * H + h) * mp, toff0 + k0 * D,
         xoff0 + n * D + k0 * nd, loff0 + n * H + k0 * nh, doff0 + k0,
-        k0 + kb < M, ok[:, None] & (k0 + kb < M)[None, :], sa, sb, rg, ca,
+        k0 + kb < M, ok[:, None] & (kb < MB)[None, :], sa, sb, rg, ca,
         cb, cbm, coef, acca, accb, CA, CB, LOWP, EVEN_M, FULL_B)
     if k0 + MB >= M:
       _sources_store(acc_ptr, coef_ptr, grow + n * D,
@@ -904,6 +946,7 @@ def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
   """
   _, n, d = S.shape
   mb = int(SOURCES_TUNING["site_block"])
+  mp = triton.cdiv(m, mb) * mb            # dlr's sites, padded with zeros
   t = t.astype(jnp.float32)
   if S.dtype != jnp.float32:          # the queries as two terms, split once
     t, t_lo = t.astype(S.dtype), (t - t.astype(S.dtype)).astype(S.dtype)
@@ -916,14 +959,14 @@ def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
       [int(i0), gv, int(j), int(j if dx_row is None else dx_row), int(m), n],
       [jax.ShapeDtypeStruct((gv, n, d), S.dtype),
        jax.ShapeDtypeStruct((gv, n, h), jnp.float32),
-       jax.ShapeDtypeStruct((gv, n, h, m), jnp.float32)],
+       jax.ShapeDtypeStruct((gv, n, h, mp), jnp.float32)],
       S.dtype, n, d, h, gv, carry={0: 7, 1: 8} if init is not None else None,
       MB=mb, EVEN_M=m % mb == 0, INIT=init is not None)
   c = d // h
-  if _channel_block(c):                   # the buffer's rows read in place
-    dt = query_gain_grad(dlr, (h * m, 1, m), S, i0, gv * n, m, h)
+  if qgrad_supported(c):                  # the buffer's rows read in place
+    dt = query_gain_grad(dlr, (h * mp, 1, mp), S, i0, gv * n, m, h)
   else:
-    dt = jnp.einsum("gnhm,gnhc->mhc", dlr, S[i0:i0 + gv].astype(
+    dt = jnp.einsum("gnhm,gnhc->mhc", dlr[..., :m], S[i0:i0 + gv].astype(
         jnp.float32).reshape(gv, n, h, c),
                     precision=jax.lax.Precision.HIGHEST).reshape(m, d)
   return acc, coef, dt
