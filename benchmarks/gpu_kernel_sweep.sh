@@ -47,9 +47,10 @@ if [[ $what == sources || $what == all ]]; then
   done
 fi
 if [[ $what == qgrad || $what == all ]]; then
-  TUNINGS=$(python3 -c 'import json; print(json.dumps([{}, {"stages": 2},
-    {"stages": 4}] + [{f"sites{b}": wt for b in (16, 32, 64)} for wt in
-    ("2x32", "2x64", "4x32", "4x128", "8x32", "8x64", "8x128")]))')
+  # QGRAD_SHAPES: warps x tokens a step to try (every site block)
+  TUNINGS=$(python3 -c 'import json, sys; print(json.dumps([{}] + [
+    {f"sites{b}": wt for b in (16, 32, 64)} for wt in sys.argv[1].split()]))' \
+    "${QGRAD_SHAPES:-2x32 2x64 4x32 4x128 8x32 8x64 8x128}")
   for args in "--m 16" "--group 16 --m 27" "--group 16 --m 59"; do
     name=sweep-qgrad-${args// /}
     timeout 150 python3 benchmarks/source_grad.py --qgrad $args \
