@@ -26,12 +26,13 @@ With ``--qgrad`` it times the query-gain gradient's product alone
 (:func:`~mhar_jax.kernels.triton_stack.query_gain_grad`, ``dt[m, c] = sum_n
 dlr[n, m, h(c)] s[n, c]``) under each tuning of ``triton_stack.QGRAD_TUNING``
 in ``--tunings``, against XLA's product of the same arrays (the einsum the
-kernels' callers compute where the channels a head have no power-of-two
-block, or with ``xla_for_arrays``): one source's N tokens with ``dlr`` as
-``source_grad_kernel`` writes it (``[M, H, N]``), or with ``--group G`` G
-sources' rows with ``dlr`` as ``sources_kernel`` writes it (``[G, N, H,
-MP]``, sites padded to whole blocks). Printed: ms and the bytes read (the
-rows and ``dlr``'s M sites once) a second as a share of copy bandwidth.
+kernels' callers compute where ``triton_stack.qgrad_supported`` is false;
+it reads these standalone arrays without a copy): one source's N tokens
+with ``dlr`` as ``source_grad_kernel`` writes it (``[M, H, N]``), or with
+``--group G`` G sources' rows with ``dlr`` as ``sources_kernel`` writes it
+(``[G, N, H, MP]``, sites padded to whole blocks). Printed: ms and the bytes
+read (the rows and ``dlr``'s M sites once) a second as a share of copy
+bandwidth.
 """
 
 from __future__ import annotations

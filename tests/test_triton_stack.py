@@ -54,12 +54,11 @@ def _site_buffers(rng, s, h, rows):
     (6, 320, 2, 4, 1, None, False),    # C = 160 = 128 + 32, as at 1b
     (11, 40, 8, 7, 1, 3, True),    # continuing the share of later sites
     (6, 320, 2, 4, 1, 2, True)])
-@pytest.mark.parametrize("xla_for_arrays", [False, True])
 def test_kernel_matches_reference(kernel_module, n_tok, d, h, rows, i, m,
-                                  init, xla_for_arrays):
+                                  init):
   """``source_grad_local`` (the kernel through the jax-triton stand-in)
   against ``stack.source_grad``; with ``init``, continuing a random share of
-  later sites; the query-gain product by the kernel or by XLA."""
+  later sites."""
   rng = np.random.default_rng(n_tok + d)
   s = rng.normal(size=(1, n_tok, d)).astype(np.float32)
   r, dX, t, lse, xd = _site_buffers(rng, s, h, rows)
@@ -72,7 +71,6 @@ def test_kernel_matches_reference(kernel_module, n_tok, d, h, rows, i, m,
   ts = kernel_module
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(ts.tr, "_launch", interpreted_launch)
-    mp.setitem(ts.QGRAD_TUNING, "xla_for_arrays", xla_for_arrays)
     ds, dt = ts.source_grad_local(s, r, dX, t, lse, xd, i, h, m, start)
   assert dt.shape == dt_ref.shape == (rows - i if m is None else m, d)
   np.testing.assert_allclose(ds, ds_ref, rtol=0,

@@ -186,8 +186,7 @@ def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
       grid=(triton.cdiv(n, bn),), num_warps=TUNING["warps"],
       poison=tr.POISON, dummy=t, **tile_meta(d, h), BN=bn,
       STAGES=TUNING["stages"], INIT=init is not None, PARTIAL=partial)
-  if qgrad_supported(c) and not (s_row is None
-                               and QGRAD_TUNING["xla_for_arrays"]):
+  if qgrad_supported(c):
     dt = query_gain_grad(dlr, (1, h * n, n), S, s_row or 0, n, m, h)
   else:
     dt = jnp.einsum("mhn,nhc->mhc", dlr, S[s_row or 0].astype(
@@ -207,15 +206,13 @@ def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
 # ``max_chunks`` chunks) x a block of MB (16, 32 or 64) sites, each writing its
 # chunk's partial sum; XLA adds the chunks. ``sites16`` / ``sites32`` /
 # ``sites64``: ``"WxT"``, W warps and T tokens a step for that site block.
-# ``xla_for_arrays``: where the source is an array of its own rather than a
-# buffer's row (Block MHAR's block and partial sums, recomputed sources),
-# XLA's product instead, which reads such an operand without a copy.
 # One H100, D 1280, H 8 (benchmarks/source_grad.py --qgrad; RESULTS.md
-# session 20): whole heads took 0.92x the time of 32-channel blocks (since
-# removed) for one source x 16 sites and 0.64x for 16 sources x 27 sites.
+# session 20): whole heads took 0.79x the time of 32-channel blocks (since
+# removed) for one source x 16 sites and 0.64x for 16 sources x 27 sites, and
+# 0.45-0.66x the time of XLA's einsum of standalone arrays (which reads them
+# without a copy), so the kernel serves those too.
 QGRAD_TUNING: dict = {"chunk_tokens": 1024, "max_chunks": 64, "stages": 3,
-                      "sites16": "4x64", "sites32": "4x64", "sites64": "4x64",
-                      "xla_for_arrays": False}
+                      "sites16": "4x64", "sites32": "4x64", "sites64": "4x64"}
 
 
 @triton.jit
