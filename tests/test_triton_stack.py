@@ -85,7 +85,8 @@ def test_kernel_matches_reference(kernel_module, n_tok, d, h, rows, i, m,
     (20, 128, 1, 2, 0, 2, 1, 64, 1024),  # AttnRes: C = 128, one site
     (33, 64, 4, 3, 2, 1, 16, 8, 8),     # C = 16; chunks of one step
     (64, 320, 2, 4, 1, 2, 8, 16, 32),   # whole token steps; aligned rows
-    (32, 352, 2, 3, 0, 2, 8, 16, 16)])  # C = 176 = 128 + 48 (lanes masked)
+    (32, 352, 2, 3, 0, 2, 8, 16, 16),   # C = 176 = 128 + 48 (lanes masked)
+    (24, 512, 2, 3, 1, 2, 20, 16, 16)])  # C = 256: blocks of 128 channels
 @pytest.mark.parametrize("layout", ["source", "group"])
 def test_query_gain_grad_matches_einsum(kernel_module, n_tok, d, h, rows, row,
                                         g, m, bk, chunk, layout):

@@ -200,33 +200,39 @@ def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
 # source's N tokens, or a group's G x N), on tensor cores. XLA's product would
 # read a row range of a buffer that the backward updates in place only after
 # copying it out (XLA fuses a slice into a product's operand only from a
-# parameter); this reads the rows in place. Programs: one head (its C
-# channels as the two parts of ``triton_route.head_parts``: each ``dlr``
-# element read once) x a chunk of at least ``chunk_tokens`` tokens (at most
-# ``max_chunks`` chunks) x a block of MB (16, 32 or 64) sites, each writing its
-# chunk's partial sum; XLA adds the chunks. ``sites16`` / ``sites32`` /
-# ``sites64``: ``"WxT"``, W warps and T tokens a step for that site block.
+# parameter); this reads the rows in place. Programs: one head of up to 192
+# channels (its C channels as the two parts of ``triton_route.head_parts``:
+# each ``dlr`` element read once) or a block of a wider head's channels
+# (:func:`qgrad_launch`) x a chunk of at least ``chunk_tokens`` tokens (at
+# most ``max_chunks`` chunks) x a block of MB (16, 32 or 64) sites, each
+# writing its chunk's partial sum; XLA adds the chunks. ``sites16`` /
+# ``sites32`` / ``sites64``: ``"WxT"``, W warps and T tokens a step for that
+# site block.
 # One H100, D 1280, H 8 (benchmarks/source_grad.py --qgrad; RESULTS.md
-# session 20): whole heads took 0.79x the time of 32-channel blocks (since
-# removed) for one source x 16 sites and 0.64x for 16 sources x 27 sites, and
-# 0.45-0.66x the time of XLA's einsum of standalone arrays (which reads them
-# without a copy), so the kernel serves those too.
+# session 20): one source x 16 sites, 16 sources x 27 and x 59 sites took
+# 0.046, 0.675 and 0.838 ms (72%, 89%, 93% of copy bandwidth; 4 x 64 within 2%
+# at 16 sites, 3% / 8% slower at 27 / 59), against 0.073 and 1.606 ms before
+# the rows' alignment was known and whole heads were taken (46%, 37%); XLA's
+# einsum of standalone arrays (which reads them without a copy) took 1.5-2.2x
+# the time of the kernel before that, so the kernel serves those too.
 QGRAD_TUNING: dict = {"chunk_tokens": 1024, "max_chunks": 64, "stages": 3,
-                      "sites16": "4x64", "sites32": "4x64", "sites64": "4x64"}
+                      "sites16": "2x32", "sites32": "2x32", "sites64": "4x32"}
 
 
 @triton.jit
 def query_gain_grad_kernel(d_ptr, s_ptr, out_init, K, M, SK, SM, SH, ROW, N,
                            KC, out_ptr, D: tl.constexpr, C: tl.constexpr,
-                           CA: tl.constexpr, CB: tl.constexpr,
-                           MB: tl.constexpr, BK: tl.constexpr,
+                           PW: tl.constexpr, CA: tl.constexpr,
+                           CB: tl.constexpr, MB: tl.constexpr,
+                           BK: tl.constexpr,
                            STAGES: tl.constexpr,
                            LOWP: tl.constexpr, UNIT: tl.constexpr,
                            DA: tl.constexpr, EVEN_K: tl.constexpr,
                            WHOLE_M: tl.constexpr):
-  """Head ``h = p0`` (its C channels as parts ``[0, CA)`` and ``[CA, C)`` of
-  CB lanes, masked unless CB = C - CA; CB = 0: one part), tokens ``[KC p1,
-  KC (p1 + 1))``, sites ``[MB p2, MB (p2 + 1))``::
+  """Channels ``[PW p0, PW (p0 + 1))`` of head ``h`` (PW = C: the whole head,
+  as parts ``[0, CA)`` and ``[CA, C)`` of CB lanes, masked unless CB = C -
+  CA; CB = 0: one part, PW = CA), tokens ``[KC p1, KC (p1 + 1))``, sites
+  ``[MB p2, MB (p2 + 1))``::
 
       out[p1, m, c] = sum_k d[k SK + m SM + h SH] * s[(ROW N + k) D + c]
 
@@ -241,8 +247,8 @@ def query_gain_grad_kernel(d_ptr, s_ptr, out_init, K, M, SK, SM, SH, ROW, N,
   LOWP (16-bit ``s``): ``d`` as two 16-bit terms (hi + lo, ~16 bits), else
   exact fp32 products.
   """
-  h = tl.program_id(0).to(tl.int64)
-  col0 = h * C
+  col0 = tl.program_id(0).to(tl.int64) * PW
+  h = col0 // C
   chunk = tl.program_id(1)
   ms = tl.program_id(2) * MB + tl.arange(0, MB)
   mm = ms < M
@@ -300,20 +306,32 @@ def query_gain_grad_kernel(d_ptr, s_ptr, out_init, K, M, SK, SM, SH, ROW, N,
 
 
 def qgrad_supported(c: int) -> bool:
-  """Whether :func:`query_gain_grad` takes heads of ``c`` channels: both
-  parts of ``head_parts(c)`` at least ``tl.dot``'s 16 lanes (or one part)."""
+  """Whether :func:`query_gain_grad` takes heads of ``c`` channels (see
+  :func:`qgrad_launch`)."""
   ca, cb = tr.head_parts(c)
-  return ca >= 16 and (cb == 0 or cb >= 16)
+  return _whole_heads(c) or c % 16 == 0
+
+
+def _whole_heads(c: int) -> bool:
+  ca, cb = tr.head_parts(c)
+  return c <= 192 and ca >= 16 and (cb == 0 or cb >= 16)
 
 
 def qgrad_launch(c: int, m: int) -> dict:
-  """Constexprs ``CA``, ``CB``, ``MB``, ``BK`` and ``warps`` of
+  """Constexprs ``PW``, ``CA``, ``CB``, ``MB``, ``BK`` and ``warps`` of
   :func:`query_gain_grad_kernel` for heads of ``c`` channels and ``m``
-  sites, under ``QGRAD_TUNING``."""
+  sites, under ``QGRAD_TUNING``: a program takes a whole head of up to 192
+  channels, as the two parts of ``head_parts`` (each at least ``tl.dot``'s 16
+  lanes), else a block of channels, the largest power of two dividing ``c``
+  up to 128 (at least 16)."""
   mb = min(64, max(16, 1 << (m - 1).bit_length()))
   warps, bk = (int(x) for x in QGRAD_TUNING[f"sites{mb}"].split("x"))
   ca, cb = tr.head_parts(c)
-  return dict(CA=ca, CB=cb, MB=mb, BK=bk, warps=warps)
+  pw = c
+  if not _whole_heads(c):
+    pw = ca = min(c & -c, 128)
+    cb = 0
+  return dict(PW=pw, CA=ca, CB=cb, MB=mb, BK=bk, warps=warps)
 
 
 def query_gain_grad(dlr, strides, S, row: int, k: int, m: int, h: int):
@@ -325,8 +343,9 @@ def query_gain_grad(dlr, strides, S, row: int, k: int, m: int, h: int):
   _, n, d = S.shape
   c = d // h
   if not qgrad_supported(c):
-    raise ValueError(f"query_gain_grad: heads of {c} channels split as "
-                     f"{tr.head_parts(c)}, a part under 16 lanes")
+    raise ValueError(f"query_gain_grad: heads of {c} channels are neither "
+                     "whole heads of two parts of >= 16 lanes (up to 192) nor"
+                     " blocks of 16 or more")
   sk, sm, sh = strides
   if 1 not in (sk, sm):
     raise ValueError(f"query_gain_grad: strides {strides} have neither "
@@ -348,7 +367,7 @@ def query_gain_grad(dlr, strides, S, row: int, k: int, m: int, h: int):
       [k, m, sk // da if unit == 2 else 1, sm // da if unit == 1 else 1,
        sh // da, row, n, kc],
       [jax.ShapeDtypeStruct((chunks, m, d), jnp.float32)],
-      grid=(h, chunks, triton.cdiv(m, cfg["MB"])),
+      grid=(d // cfg["PW"], chunks, triton.cdiv(m, cfg["MB"])),
       num_warps=warps, poison=tr.POISON, dummy=dlr, D=d, C=c,
       STAGES=int(tu["stages"]), LOWP=S.dtype != jnp.float32, UNIT=unit,
       DA=da, EVEN_K=k % bk == 0, WHOLE_M=whole_m, **cfg)
