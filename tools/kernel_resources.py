@@ -58,7 +58,7 @@ BF16 = {"fwd": SLOTS("s") | {"out_ptr", "i_out"},
         "bwd": SLOTS("s") | SLOTS("ds") | SLOTS("i") | {"g_ptr"},
         "source_grad": {"s_ptr", "dx_ptr", "ds_ptr"}}
 SCALARS = {"N", "I0", "NTILES", "I", "M", "S", "GV", "J0", "IX", "IS", "IA",
-           "JX", "K", "SK", "SM", "SH", "KC", "ROW"}
+           "JX", "K", "SK", "SM", "SH", "KC", "ROW", "MP"}
 
 
 def compile_kernel(fn, bf16, constexprs, warps):

@@ -863,7 +863,7 @@ def _sources_store(acc_ptr, coef_ptr, aoff, coff, mask, ca, cb, cbm, coef,
 @triton.jit
 def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
                    acc_in, coef_in, acc_init, coef_init, dlr_init, I0, GV, J0,
-                   JX, M, N, acc_ptr, coef_ptr, dlr_ptr,
+                   JX, M, MP, N, acc_ptr, coef_ptr, dlr_ptr,
                    D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                    CA: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
                    MB: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
@@ -880,7 +880,7 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
   Outputs ``acc_ptr [GV, N, D]`` (sources' dtype), ``coef_ptr [GV, N, H]``
   fp32 and ``dlr_ptr [GV, N, H, MP]`` fp32 (``dlogit * r`` of every pair,
   for the query-gain gradient, sites padded with zeros to MP, M rounded up to
-  a multiple of MB; ``*_init``: unused, as in
+  a multiple of MB by the caller; ``*_init``: unused, as in
   ``triton_route._launch``). INIT: ``acc_ptr``/``coef_ptr`` hold the share of
   other sites on entry (the caller aliases them to ``acc_in``/``coef_in``),
   which the sums continue; otherwise ``acc_in``/``coef_in`` are unused::
@@ -921,8 +921,7 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
   g64 = g.to(tl.int64)
   srow = (I0 + g).to(tl.int64) * nd + h * C
   grow = g64 * nd + h * C
-  mp = tl.cdiv(M, MB) * MB                   # dlr's sites, padded
-  doff0 = g64[:, None] * nh * mp + kb[None, :]  # + the token's (n H + h) mp
+  doff0 = g64[:, None] * nh * MP + kb[None, :]  # + the token's (n H + h) MP
   coef = tl.zeros((G,), tl.float32)
   acca = tl.zeros((G, CA), tl.float32)
   accb = tl.zeros((G, CB if CB > 0 else CA), tl.float32)
@@ -938,7 +937,7 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
     ok = tl.where(nn < N, gm, False)      # rows of a token that exists
     coef, acca, accb = _sources_block(
         t_ptr, tlo_ptr, dx_ptr, lse_ptr, xd_ptr,
-        dlr_ptr + (n * H + h) * mp, toff0 + k0 * D,
+        dlr_ptr + (n * H + h) * MP, toff0 + k0 * D,
         xoff0 + n * D + k0 * nd, loff0 + n * H + k0 * nh, doff0 + k0,
         k0 + kb < M, ok[:, None] & (kb < MB)[None, :], sa, sb, rg, ca,
         cb, cbm, coef, acca, accb, CA, CB, LOWP, EVEN_M, FULL_B)
@@ -972,7 +971,8 @@ def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
   acc, coef, dlr = _group_launch(
       "sources_partial_local", sources_kernel, SOURCES_TUNING,
       [S, r.astype(jnp.float32), dX, t, t_lo, lse, xd, acc_in, coef_in],
-      [int(i0), gv, int(j), int(j if dx_row is None else dx_row), int(m), n],
+      [int(i0), gv, int(j), int(j if dx_row is None else dx_row), int(m), mp,
+       n],
       [jax.ShapeDtypeStruct((gv, n, d), S.dtype),
        jax.ShapeDtypeStruct((gv, n, h), jnp.float32),
        jax.ShapeDtypeStruct((gv, n, h, mp), jnp.float32)],
