@@ -13,7 +13,7 @@
 #          SOURCES_TUNING variants (benchmarks/source_grad.py --group 16)
 # qgrad:   triton_stack.query_gain_grad (the query-gain product) under
 #          QGRAD_TUNING variants against XLA's einsum: one source's row with
-#          16 sites, and 16 sources' rows with 27 sites
+#          16 sites, and 16 sources' rows with 32, 48 and 64 sites
 #          (benchmarks/source_grad.py --qgrad)
 # grad:    triton_stack.source_grad_kernel (one source's gradient from its
 #          group's 16 sites, with the query-gain product) under TUNING
@@ -51,7 +51,8 @@ if [[ $what == qgrad || $what == all ]]; then
   TUNINGS=$(python3 -c 'import json, sys; print(json.dumps([{}] + [
     {f"sites{b}": wt for b in (16, 32, 64)} for wt in sys.argv[1].split()]))' \
     "${QGRAD_SHAPES:-2x32 2x64 4x32 4x128 8x32 8x64 8x128}")
-  for args in "--m 16" "--group 16 --m 27" "--group 16 --m 59"; do
+  for args in "--m 16" "--group 16 --m 32" "--group 16 --m 48" \
+      "--group 16 --m 64"; do
     name=sweep-qgrad-${args// /}
     timeout 150 python3 benchmarks/source_grad.py --qgrad $args \
       --tunings "$TUNINGS" --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
@@ -59,12 +60,13 @@ if [[ $what == qgrad || $what == all ]]; then
     grep -E "XLA|query_gain_grad|ERROR" "$OUT/$name.txt"
   done
   # The fastest warps x tokens a step for each site block (one source's 16
-  # sites: block 16; a group's 27: 32; 59: 64) as throughput.py overrides,
-  # also left in $QGRAD_BEST for a later call on the same machine.
+  # sites: block 16; a group's 32: 32; 64: 64; at 1b the groups have 16, 32,
+  # 48 and 64 sites above them) as throughput.py overrides, also left in
+  # $QGRAD_BEST for a later call on the same machine.
   python3 - "$OUT" <<'PY' | tee "${QGRAD_BEST:-/tmp/qgrad_best}"
 import json, sys
 best = []
-for name, mb in (("--m16", 16), ("--group16--m27", 32), ("--group16--m59", 64)):
+for name, mb in (("--m16", 16), ("--group16--m32", 32), ("--group16--m64", 64)):
   try:
     rows = json.load(open(f"{sys.argv[1]}/sweep-qgrad-{name}.json"))["rows"]
   except OSError:
