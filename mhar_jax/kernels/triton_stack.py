@@ -224,8 +224,7 @@ def query_gain_grad_kernel(d_ptr, s_ptr, out_init, K, M, SK, SM, SH, ROW, N,
                            KC, out_ptr, D: tl.constexpr, C: tl.constexpr,
                            PW: tl.constexpr, CA: tl.constexpr,
                            CB: tl.constexpr, MB: tl.constexpr,
-                           BK: tl.constexpr,
-                           STAGES: tl.constexpr,
+                           BK: tl.constexpr, STAGES: tl.constexpr,
                            LOWP: tl.constexpr, UNIT: tl.constexpr,
                            DA: tl.constexpr, EVEN_K: tl.constexpr,
                            WHOLE_M: tl.constexpr):
@@ -308,7 +307,6 @@ def query_gain_grad_kernel(d_ptr, s_ptr, out_init, K, M, SK, SM, SH, ROW, N,
 def qgrad_supported(c: int) -> bool:
   """Whether :func:`query_gain_grad` takes heads of ``c`` channels (see
   :func:`qgrad_launch`)."""
-  ca, cb = tr.head_parts(c)
   return _whole_heads(c) or c % 16 == 0
 
 
