@@ -47,10 +47,12 @@ if [[ $what == sources || $what == all ]]; then
   done
 fi
 if [[ $what == qgrad || $what == all ]]; then
-  # QGRAD_SHAPES: warps x tokens a step to try (every site block)
+  # QGRAD_SHAPES: warps x tokens a step to try (every site block); then
+  # chunks of 256 and 512 tokens (more programs for one source's rows)
   TUNINGS=$(python3 -c 'import json, sys; print(json.dumps([{}] + [
-    {f"sites{b}": wt for b in (16, 32, 64)} for wt in sys.argv[1].split()]))' \
-    "${QGRAD_SHAPES:-2x32 2x64 4x32 4x128 8x32 8x64 8x128}")
+    {f"sites{b}": wt for b in (16, 32, 64)} for wt in sys.argv[1].split()]
+    + [{"chunk_tokens": 256}, {"chunk_tokens": 512}]))' \
+    "${QGRAD_SHAPES:-2x32 2x64 4x32 4x64 4x128 8x32 8x64}")
   for args in "--m 16" "--group 16 --m 32" "--group 16 --m 48" \
       "--group 16 --m 64"; do
     name=sweep-qgrad-${args// /}
@@ -72,8 +74,9 @@ for name, mb in (("--m16", 16), ("--group16--m32", 32), ("--group16--m64", 64)):
   except OSError:
     continue
   rows = [r for r in rows if r["what"] == "query_gain_grad"]
-  # among the default stages (the first row's: the defaults)
-  rows = [r for r in rows if r["tuning"]["stages"] == rows[0]["tuning"]["stages"]]
+  # among the rows that differ from the defaults (the first) in sitesNN only
+  same = lambda a, b: all(a[k] == b[k] for k in a if not k.startswith("sites"))
+  rows = [r for r in rows if same(r["tuning"], rows[0]["tuning"])]
   if rows:
     fast = min(rows, key=lambda r: r["ms"])
     best += [f"kernels.query_gain.sites{mb}={fast['tuning'][f'sites{mb}']}"]
