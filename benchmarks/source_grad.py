@@ -30,7 +30,8 @@ kernels' callers compute where ``triton_stack.qgrad_supported`` is false;
 it reads these standalone arrays without a copy): one source's N tokens
 with ``dlr`` as ``source_grad_kernel`` writes it (``[M, H, N]``), or with
 ``--group G`` G sources' rows with ``dlr`` as ``sources_kernel`` writes it
-(``[G, N, H, MP]``, sites padded to whole blocks). Printed: ms and the bytes
+(``[G, N, H, MP]``, sites padded to whole blocks; XLA gets the M sites as
+an array of their own). Printed: ms and the bytes
 read (the rows and ``dlr``'s M sites once) a second as a share of copy
 bandwidth.
 """
@@ -190,21 +191,22 @@ def qgrad(a):
         "site_block"]
     dlr = jax.random.normal(ks[1], (g, n, h, mp))
     strides, k = (h * mp, 1, mp), g * n
+    xla_args = (dlr[..., :m], S)       # XLA's operand unpadded: no slice
     xla = jax.jit(lambda dlr, S: jnp.einsum(
-        "gnhm,gnhc->mhc", dlr[..., :m],
-        S.astype(jnp.float32).reshape(g, n, h, c),
+        "gnhm,gnhc->mhc", dlr, S.astype(jnp.float32).reshape(g, n, h, c),
         precision=jax.lax.Precision.HIGHEST)
         .reshape(m, d))
   else:                  # source_grad_kernel's layout [M, H, N]
     dlr = jax.random.normal(ks[1], (m, h, n))
     strides, k = (1, h * n, n), n
+    xla_args = (dlr, S)
     xla = jax.jit(lambda dlr, S: jnp.einsum(
         "mhn,nhc->mhc", dlr, S[0].astype(jnp.float32).reshape(n, h, c),
         precision=jax.lax.Precision.HIGHEST)
         .reshape(m, d))
   args = (dlr, S)
-  want = xla(*args)
-  base, _, _ = _median_ms(xla, args)
+  want = xla(*xla_args)
+  base, _, _ = _median_ms(xla, xla_args)
   nbytes = g * n * d * 2 + g * n * h * m * 4
   pct = lambda ms: 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs  # noqa: E731
   print(f"XLA einsum {'':38s} {base:8.3f} ms {pct(base):5.1f}% copy",
