@@ -31,9 +31,8 @@ it reads these standalone arrays without a copy): one source's N tokens
 with ``dlr`` as ``source_grad_kernel`` writes it (``[M, H, N]``), or with
 ``--group G`` G sources' rows with ``dlr`` as ``sources_kernel`` writes it
 (``[G, N, H, MP]``, sites padded to whole blocks; XLA gets the M sites as
-an array of their own). Printed: ms and the bytes
-read (the rows and ``dlr``'s M sites once) a second as a share of copy
-bandwidth.
+an array of their own). Printed: ms and the bytes read (the rows and
+``dlr``'s M sites once) a second as a share of copy bandwidth.
 """
 
 from __future__ import annotations
