@@ -16,8 +16,10 @@
 #          16 sites, and 16 sources' rows with 32, 48 and 64 sites
 #          (benchmarks/source_grad.py --qgrad)
 # grad:    triton_stack.source_grad_kernel (one source's gradient from its
-#          group's 16 sites, with the query-gain product) under TUNING
-#          variants (benchmarks/source_grad.py --m 16)
+#          group's 1, 4, 8 or 16 sites continuing the share of the sites
+#          above the group, with the query-gain product: the 1b grouped
+#          backward's calls) under TUNING variants
+#          (benchmarks/source_grad.py --init --ms 1,4,8,16)
 # Raw output: $OUT/sweep-*.txt; the timing lines are printed.
 set -uo pipefail
 source benchmarks/gpu_env.sh || exit 1
@@ -87,8 +89,8 @@ if [[ $what == grad || $what == all ]]; then
   TUNINGS='[{}, {"elems_per_thread": 12}, {"elems_per_thread": 48},
     {"warps": 8}, {"warps": 2}, {"stages": 2}, {"stages": 4},
     {"elems_per_thread": 48, "warps": 8}]'
-  timeout 200 python3 benchmarks/source_grad.py --m 16 --tunings "$TUNINGS" \
-    > "$OUT/sweep-grad.txt" 2>&1
-  echo "== source gradient, 16 sites (rc $?)"
+  timeout 300 python3 benchmarks/source_grad.py --init --ms 1,4,8,16 \
+    --tunings "$TUNINGS" > "$OUT/sweep-grad.txt" 2>&1
+  echo "== source gradient, 1 / 4 / 8 / 16 sites and a share (rc $?)"
   grep -E "tokens|source_grad|ERROR|copy" "$OUT/sweep-grad.txt"
 fi

@@ -6,13 +6,15 @@
 Times :func:`mhar_jax.kernels.triton_stack.source_grad_local` (the kernel and
 the query-gain gradient's product, what ``routed_stack``'s
 backward runs once per source) at ``N`` tokens x ``D``, H heads, bf16, with
-``M`` sites reading the source, under each tuning of
-``triton_stack.TUNING`` given (one JSON dict each, merged into the defaults).
-Each is checked against the jnp reference (``stack.source_grad``) on the same
-inputs first. Printed per tuning: tokens a program, ms (median), and the bytes
-any implementation must move (``s`` read twice, every ``dx_j`` read, ``lse``,
-``xd`` read, ``ds`` written, ``dlr`` written and read) per second, as a share
-of a copy bandwidth measured in the same run.
+``M`` sites reading the source (``--ms 1,4,16``: each count in turn), under
+each tuning of ``triton_stack.TUNING`` given (one JSON dict each, merged into
+the defaults); ``--init``: continuing a share of later sites ``(acc, coef)``,
+as the grouped backward's calls do (at 1b: 1 to 16 sites each). Each is
+checked against the jnp reference (``stack.source_grad``) on the same inputs
+first. Printed per tuning: tokens a program, ms (median), and the bytes any
+implementation must move (``s`` read twice, every ``dx_j`` read, ``lse``,
+``xd`` read, ``ds`` written, ``dlr`` written and read, the share read) per
+second, as a share of a copy bandwidth measured in the same run.
 
 With ``--group G`` it times instead the share of the M sites in the
 gradients of G sources at once on tensor cores
@@ -78,6 +80,12 @@ def main():
   ap.add_argument("--qgrad", action="store_true",
                   help="time the query-gain product alone (--tunings then "
                   "tune triton_stack.QGRAD_TUNING)")
+  ap.add_argument("--ms", default="",
+                  help="comma-separated site counts to time in turn instead "
+                  "of --m (one source's gradient)")
+  ap.add_argument("--init", action="store_true",
+                  help="one source's gradient continuing a share of later "
+                  "sites (acc, coef), as the grouped backward's calls do")
   ap.add_argument("--json", default="")
   a = ap.parse_args()
   if a.qgrad:
@@ -90,31 +98,42 @@ def main():
   cb = copy_bandwidth()
   copy_gbs = max(v for v in cb.values() if isinstance(v, float))
   print(f"{dev.device_kind}: copy {copy_gbs:.0f} GB/s; N={a.n} D={a.d} "
-        f"H={a.h} M={a.m} bf16", flush=True)
-  args = inputs(a.n, a.m, a.d, a.h)
-  ref = jax.jit(lambda *x: stack.source_grad(*x, 0, a.h))(*args)
+        f"H={a.h} bf16{', with a share of later sites' if a.init else ''}",
+        flush=True)
   e = a.n * a.d * 2
-  nbytes = (a.m + 3) * e + 4 * a.n * a.h * a.m * 4 + 4 * a.n
   rows = []
-  for tu in json.loads(a.tunings):
-    ts.TUNING.clear()
-    ts.TUNING.update(default, **tu)
-    fn = jax.jit(lambda *x: ts.source_grad_local(*x, 0, a.h))
-    try:
-      err = _rel(fn(*args), ref)
-      ms, first, _ = _median_ms(fn, args)
-    except Exception as ex:  # noqa: BLE001
-      print(f"{json.dumps(tu)}: ERROR {ex!r}"[:400], flush=True)
-      continue
-    pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs
-    rows.append(dict(tuning=dict(ts.TUNING), bn=ts.tokens_per_program(a.d, a.h),
-                     ms=ms, pct_copy=pct, rel_err=err, compile_s=first))
-    print(f"{json.dumps(tu):50s} BN {rows[-1]['bn']:2d} {ms:8.3f} ms "
-          f"{pct:5.1f}% copy  rel err {err:.1e}", flush=True)
+  for m in [int(x) for x in a.ms.split(",")] if a.ms else [a.m]:
+    args = inputs(a.n, m, a.d, a.h)
+    init = None
+    if a.init:
+      ks = jax.random.split(jax.random.key(m), 2)
+      init = (jax.random.normal(ks[0], (a.n, a.d), jnp.bfloat16),
+              jax.random.normal(ks[1], (a.n, a.h)))
+    ref = jax.jit(lambda init, *x, m=m: stack.source_grad(
+        *x, 0, a.h, m, init))(init, *args)
+    nbytes = ((m + 3 + a.init) * e + 4 * a.n * a.h * m * 4 + 4 * a.n
+              + a.init * a.n * a.h * 4)
+    for tu in json.loads(a.tunings):
+      ts.TUNING.clear()
+      ts.TUNING.update(default, **tu)
+      fn = jax.jit(lambda init, *x, m=m: ts.source_grad_local(
+          *x, 0, a.h, m, init))
+      try:
+        err = _rel(fn(init, *args), ref)
+        ms, first, _ = _median_ms(fn, (init, *args))
+      except Exception as ex:  # noqa: BLE001
+        print(f"M={m} {json.dumps(tu)}: ERROR {ex!r}"[:400], flush=True)
+        continue
+      pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs
+      rows.append(dict(m=m, init=a.init, tuning=dict(ts.TUNING),
+                       bn=ts.tokens_per_program(a.d, a.h), ms=ms,
+                       pct_copy=pct, rel_err=err, compile_s=first))
+      print(f"M={m:3d} {json.dumps(tu):46s} BN {rows[-1]['bn']:2d} {ms:8.3f} "
+            f"ms {pct:5.1f}% copy  rel err {err:.1e}", flush=True)
   if a.json:
     with open(a.json, "w") as f:
       json.dump(dict(device=dev.device_kind, copy=cb, n=a.n, d=a.d, h=a.h,
-                     m=a.m, rows=rows), f, indent=1)
+                     rows=rows), f, indent=1)
 
 
 def _rel(out, ref):
