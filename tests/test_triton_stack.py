@@ -120,6 +120,13 @@ def test_query_gain_grad_matches_einsum(kernel_module, n_tok, d, h, rows, row,
                              atol=1e-5 * float(jnp.abs(want).max()))
 
 
+def test_query_gain_tuning_names_a_bad_value(kernel_module, monkeypatch):
+  """A warps x tokens tuning that is not ``"WxT"`` fails naming the key."""
+  monkeypatch.setitem(kernel_module.QGRAD_TUNING, "sites32", "4-64")
+  with pytest.raises(ValueError, match="sites32.*'4-64'"):
+    kernel_module.qgrad_launch(160, 20)
+
+
 @pytest.mark.parametrize("n_tok,d,h,rows,i0,gv,j,m,bt", [
     (5, 320, 2, 12, 2, 4, 6, 5, 2),    # C = 160 = 128 + 32; 4 of 16 rows
     (3, 64, 4, 40, 0, 16, 16, 24, 4),  # two site blocks, the second ragged

@@ -323,7 +323,13 @@ def qgrad_launch(c: int, m: int) -> dict:
   lanes), else a block of channels, the largest power of two dividing ``c``
   up to 128 (at least 16)."""
   mb = min(64, max(16, 1 << (m - 1).bit_length()))
-  warps, bk = (int(x) for x in QGRAD_TUNING[f"sites{mb}"].split("x"))
+  key = f"sites{mb}"
+  try:
+    warps, bk = (int(x) for x in str(QGRAD_TUNING[key]).split("x"))
+  except ValueError:
+    raise ValueError(f"QGRAD_TUNING[{key!r}] = {QGRAD_TUNING[key]!r}: give "
+                     "'WxT', W warps and T tokens a step (e.g. '4x64')"
+                     ) from None
   ca, cb = tr.head_parts(c)
   pw = c
   if not _whole_heads(c):
