@@ -302,6 +302,13 @@ def test_every_kernel_compiles_with_runtime_ints_of_one(tmp_path):
       cwd=tmp_path, timeout=900)
   assert res.returncode == 0, res.stderr[-2000:]
   assert res.stdout.count('"regs"') == 1, res.stdout
+  res = subprocess.run(
+      [sys.executable, str(root / "tools" / "kernel_resources.py"), "--ones",
+       "--kernels", "source_grad_init", "--source_grad_tuning",
+       '{"share_first": true}'], capture_output=True, text=True, env=env,
+      cwd=tmp_path, timeout=900)
+  assert res.returncode == 0, res.stderr[-2000:]
+  assert res.stdout.count('"regs"') == 1, res.stdout
 
 
 @pytest.mark.parametrize("given_r", [False, True])
