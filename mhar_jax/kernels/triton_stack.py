@@ -85,9 +85,10 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
   rows ``I .. I+M-1`` used; ``dx_ptr [R', N, D]`` the site cotangents, site
   ``I + k`` in row ``IX + k``. INIT: the sums include the share of later
   sites, row ``IA`` of ``acc_ptr [R_a, N, D]`` (source dtype) and of
-  ``coef_ptr [R_a, N, H]`` fp32 (:func:`sources_partial`); otherwise those
-  are unused. Rows are read in place, so no caller slices (copies) a row
-  out of a buffer. Outputs
+  ``coef_ptr [R_a, N, H]`` fp32 (:func:`sources_partial`), added after the
+  loop or (SHARE_FIRST) starting the sums; otherwise those are unused. Rows
+  are read in place, so no caller slices (copies) a row out of a buffer.
+  Outputs
   ``ds_ptr [N, D]`` (source dtype) and
   ``dlr_ptr [M, H, N]`` fp32 (heads major: the query-gain product reads a
   head's tokens contiguously). PARTIAL: the sums are left for earlier sites
