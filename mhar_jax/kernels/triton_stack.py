@@ -293,25 +293,17 @@ def query_gain_grad_kernel(d_ptr, s_ptr, out_init, K, M, SK, SM, SH, ROW, N,
       dk = drow + ks[None, :]
     else:
       dk = drow + ks[None, :] * SK * DA
-    if WHOLE_M and EVEN_K:
-      d = tl.load(dk)
-    elif WHOLE_M:
-      d = tl.load(dk, mask=km[None, :], other=0.0)
+    if WHOLE_M:
+      dmask = km[None, :]
     else:
-      d = tl.load(dk, mask=mm[:, None] & km[None, :], other=0.0)
-    hi, lo = _split(d, sdt, LOWP)
+      dmask = mm[:, None] & km[None, :]
+    hi, lo = _split(_load_tile(dk, dmask, WHOLE_M and EVEN_K), sdt, LOWP)
     sk = srow + ks[:, None] * D
-    if EVEN_K:
-      sa = tl.load(sk + ca[None, :])
-    else:
-      sa = tl.load(sk + ca[None, :], mask=km[:, None], other=0.0)
-    acca += _dot2(hi, lo, sa, LOWP)
+    acca += _dot2(hi, lo, _load_tile(sk + ca[None, :], km[:, None], EVEN_K),
+                  LOWP)
     if CB > 0:
-      if EVEN_K and FULL_B:
-        sb = tl.load(sk + cb[None, :])
-      else:
-        sb = tl.load(sk + cb[None, :], mask=km[:, None] & cbm[None, :],
-                     other=0.0)
+      sb = _load_tile(sk + cb[None, :], km[:, None] & cbm[None, :],
+                      EVEN_K and FULL_B)
       accb += _dot2(hi, lo, sb, LOWP)
   orow = out_ptr + (chunk * M + m64)[:, None] * D
   tl.store(orow + ca[None, :], acca, mask=mm[:, None])
@@ -326,6 +318,8 @@ def qgrad_supported(c: int) -> bool:
 
 
 def _whole_heads(c: int) -> bool:
+  """Whether a program of :func:`query_gain_grad_kernel` takes a whole head
+  of ``c`` channels (up to 192, both parts of ``head_parts`` >= 16 lanes)."""
   ca, cb = tr.head_parts(c)
   return c <= 192 and ca >= 16 and (cb == 0 or cb >= 16)
 
