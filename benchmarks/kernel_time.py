@@ -46,9 +46,9 @@ def categorize(name: str) -> str:
 def kernel_events(trace_dir: str, device: str = "/device:GPU:0"
                   ) -> list[tuple[str, float, float]]:
   """``(name, duration_ns, start_ns)`` of every kernel on ``device`` in the
-  trace under
-  ``trace_dir`` (the newest ``*.xplane.pb``). Raises FileNotFoundError if
-  there is no trace and ValueError if it has no such device plane."""
+  trace under ``trace_dir`` (the newest ``*.xplane.pb``). Raises
+  FileNotFoundError if there is no trace and ValueError if it has no such
+  device plane."""
   from jax.profiler import ProfileData
   files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
                            recursive=True), key=os.path.getmtime)
