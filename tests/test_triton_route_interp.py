@@ -278,7 +278,8 @@ def test_every_kernel_compiles_with_runtime_ints_of_one(tmp_path):
   """Compiled for sm_90 with every runtime int argument equal to 1, which
   Triton specialises to a constexpr on the GPU (``N.to(...)`` on such an
   argument fails only then, e.g. one token a shard or the site index 1);
-  the query-gain product in both of its program shapes."""
+  the query-gain product in both layouts of ``dlr``, and the source
+  gradient starting its sums from the share (``share_first``)."""
   import os
   import pathlib
   import subprocess
