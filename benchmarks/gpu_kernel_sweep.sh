@@ -86,9 +86,8 @@ print("+".join(best))
 PY
 fi
 if [[ $what == grad || $what == all ]]; then
-  TUNINGS='[{}, {"share_first": true}, {"elems_per_thread": 12},
-    {"elems_per_thread": 48}, {"warps": 8}, {"warps": 2}, {"stages": 4},
-    {"share_first": true, "stages": 4}]'
+  TUNINGS='[{}, {"elems_per_thread": 12}, {"elems_per_thread": 48},
+    {"warps": 8}, {"warps": 2}, {"stages": 4}]'
   timeout 300 python3 benchmarks/source_grad.py --init --ms 1,4,8,16 \
     --tunings "$TUNINGS" > "$OUT/sweep-grad.txt" 2>&1
   echo "== source gradient, 1 / 4 / 8 / 16 sites and a share (rc $?)"

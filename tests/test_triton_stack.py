@@ -54,14 +54,11 @@ def _site_buffers(rng, s, h, rows):
     (6, 320, 2, 4, 1, None, False),    # C = 160 = 128 + 32, as at 1b
     (11, 40, 8, 7, 1, 3, True),    # continuing the share of later sites
     (6, 320, 2, 4, 1, 2, True)])
-@pytest.mark.parametrize("share_first", [False, True])
 def test_kernel_matches_reference(kernel_module, n_tok, d, h, rows, i, m,
-                                  init, share_first):
+                                  init):
   """``source_grad_local`` (the kernel through the jax-triton stand-in)
   against ``stack.source_grad``; with ``init``, continuing a random share of
-  later sites (added after the loop, or starting the sums)."""
-  if share_first and not init:
-    pytest.skip("share_first changes only calls that continue a share")
+  later sites."""
   rng = np.random.default_rng(n_tok + d)
   s = rng.normal(size=(1, n_tok, d)).astype(np.float32)
   r, dX, t, lse, xd = _site_buffers(rng, s, h, rows)
@@ -74,7 +71,6 @@ def test_kernel_matches_reference(kernel_module, n_tok, d, h, rows, i, m,
   ts = kernel_module
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(ts.tr, "_launch", interpreted_launch)
-    mp.setitem(ts.TUNING, "share_first", share_first)
     ds, dt = ts.source_grad_local(s, r, dX, t, lse, xd, i, h, m, start)
   assert dt.shape == dt_ref.shape == (rows - i if m is None else m, d)
   np.testing.assert_allclose(ds, ds_ref, rtol=0,
@@ -171,9 +167,8 @@ def test_sources_partial_matches_reference(kernel_module, n_tok, d, h, rows,
 @pytest.mark.parametrize("n_tok,d,h,gv,m1,m2", [
     (5, 320, 2, 3, 4, 16),   # C = 128 + 32; a ragged span, then a whole block
     (3, 64, 4, 1, 16, 5)])   # one source (a depth's last group)
-@pytest.mark.parametrize("share_first", [False, True])
 def test_cotangents_split_over_buffers(kernel_module, n_tok, d, h, gv, m1,
-                                       m2, share_first):
+                                       m2):
   """The sites' cotangents held in two buffers at row offsets: the share of
   both (``sources_partial_local`` on the first, continued in place on the
   second), a source's gradient from one (``source_grad_local``,
@@ -190,7 +185,6 @@ def test_cotangents_split_over_buffers(kernel_module, n_tok, d, h, gv, m1,
   want = stack.sources_partial(S, r, dX, t, lse, xd, j, m1 + m2, h)
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(ts.tr, "_launch", interpreted_launch)
-    mp.setitem(ts.TUNING, "share_first", share_first)
     a = ts.sources_partial_local(S, 0, gv, r, lower, t, lse, xd, j, m1, h,
                                  dx_row=1)
     b = ts.sources_partial_local(S, 0, gv, r, upper, t, lse, xd, j + m1, m2,

@@ -204,13 +204,11 @@ def main(argv=None):
           common, PF=tr.TUNING["bwd_prefetch"], HAS_R=True)),
       "source_grad": (ts.source_grad_kernel, BF16["source_grad"], dict(
           tr.tile_meta(a.d, a.h), BN=ts.tokens_per_program(a.d, a.h),
-          STAGES=ts.TUNING["stages"], INIT=False, PARTIAL=False,
-          SHARE_FIRST=False)),
+          STAGES=ts.TUNING["stages"], INIT=False, PARTIAL=False)),
       "source_grad_init": (ts.source_grad_kernel,
                            BF16["source_grad"] | {"acc_ptr"}, dict(
           tr.tile_meta(a.d, a.h), BN=ts.tokens_per_program(a.d, a.h),
-          STAGES=ts.TUNING["stages"], INIT=True, PARTIAL=False,
-          SHARE_FIRST=bool(ts.TUNING["share_first"]))),
+          STAGES=ts.TUNING["stages"], INIT=True, PARTIAL=False)),
   }
   c = a.d // a.h
   qgrad = ts.qgrad_launch(c, a.qgrad_sites)

@@ -59,14 +59,9 @@ from mhar_jax.kernels.triton_route import (_cols, _hsum, _load, _rows, _store,
 # On the H200 (benchmarks/source_grad.py, M = 37 at D = 1280, M = 25 at
 # D = 1024; RESULTS.md session 11) 3 stages took 0.79x / 0.90x the time of 2;
 # 4 stages, 8 warps, 2 warps at 3 stages within 2% of it; 1 token a program
-# slower. ``share_first``: a continued call (the grouped backward's: 1 to G
-# sites and the share of the sites above the group) starts its sums from the
-# share, loaded before the loop, instead of adding it after the loop (its
-# loads then wait for the loop's); not yet timed (benchmarks/source_grad.py
-# --init --ms 1,4,8,16). benchmarks/source_grad.py --tunings and
-# stack_routing.py --source_grad_tuning override them.
-TUNING: dict = {"elems_per_thread": 24, "warps": 4, "stages": 3,
-                "share_first": False}
+# slower. benchmarks/source_grad.py --tunings and stack_routing.py
+# --source_grad_tuning override them.
+TUNING: dict = {"elems_per_thread": 24, "warps": 4, "stages": 3}
 
 
 @triton.jit
@@ -76,8 +71,7 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
                        D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                        HP: tl.constexpr, CA: tl.constexpr, CB: tl.constexpr,
                        BN: tl.constexpr, STAGES: tl.constexpr,
-                       INIT: tl.constexpr, PARTIAL: tl.constexpr,
-                       SHARE_FIRST: tl.constexpr):
+                       INIT: tl.constexpr, PARTIAL: tl.constexpr):
   """One token tile of the gradient of one source from all its readers.
 
   ``s_ptr [R_s, N, D]`` (source dtype), the source in row ``IS``; ``r_ptr
@@ -86,8 +80,8 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
   ``I + k`` in row ``IX + k``. INIT: the sums include the share of later
   sites, row ``IA`` of ``acc_ptr [R_a, N, D]`` (source dtype) and of
   ``coef_ptr [R_a, N, H]`` fp32 (:func:`sources_partial`), added after the
-  loop or (SHARE_FIRST) starting the sums; otherwise those are unused. Rows
-  are read in place, so no caller slices (copies) a row out of a buffer.
+  loop; otherwise those are unused. Rows are read in place, so no caller
+  slices (copies) a row out of a buffer.
   Outputs
   ``ds_ptr [N, D]`` (source dtype) and
   ``dlr_ptr [M, H, N]`` fp32 (heads major: the query-gain product reads a
@@ -111,14 +105,8 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
   xa = xa.to(tl.float32)
   xb = xb.to(tl.float32)
   r = tl.load(r_ptr + rows, mask=rmask, other=0.0)
-  if INIT and SHARE_FIRST:   # the sums start from the share, loaded first
-    acca, accb = _load(acc_ptr + IA * nd, base, offa, mska, offb, mskb, CB)
-    acca = acca.to(tl.float32)
-    accb = accb.to(tl.float32)
-    coef = tl.load(coef_ptr + IA * nh + hbase + hoff, mask=hmask, other=0.0)
-  else:
-    acca, accb = _zeros(BN, HP, CA, CB)
-    coef = tl.zeros((BN, HP), tl.float32)
+  acca, accb = _zeros(BN, HP, CA, CB)
+  coef = tl.zeros((BN, HP), tl.float32)
   for k in tl.range(0, M, num_stages=STAGES):
     j = (I + k).to(tl.int64)
     jx = (IX + k).to(tl.int64)
@@ -138,9 +126,9 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
     coef += dl * logit
     tl.store(dlr_ptr + k * nh + doff, dlr, mask=hmask)
   # INIT: the later sites' share joins after the loop, its accumulator last
-  # (loaded before the loop it held 155 registers against 127, D 1280), or
-  # (SHARE_FIRST) it started the sums.
-  if INIT and not SHARE_FIRST:
+  # (loaded before the loop it held 155 registers against 127 at D 1280;
+  # starting the sums from it took 1.04-1.14x the time, RESULTS session 21).
+  if INIT:
     coef += tl.load(coef_ptr + IA * nh + hbase + hoff, mask=hmask, other=0.0)
   if PARTIAL:
     tl.store(coefo_ptr + hbase + hoff, coef, mask=hmask)
@@ -150,7 +138,7 @@ def source_grad_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, lse_ptr, xd_ptr, acc_ptr,
     scale = (tl.sum(coef, axis=1) * r * r / D)[:, None, None]
     outa = acca - scale * xa
     outb = accb - scale * xb
-  if INIT and not SHARE_FIRST:
+  if INIT:
     ia, ib = _load(acc_ptr + IA * nd, base, offa, mska, offb, mskb, CB)
     outa += ia.to(tl.float32)
     outb += ib.to(tl.float32)
@@ -199,8 +187,7 @@ def source_grad_local(s, r, dX, t, lse, xd, i: int, h: int,
        jax.ShapeDtypeStruct((n, h) if partial else (1,), jnp.float32)],
       grid=(triton.cdiv(n, bn),), num_warps=TUNING["warps"],
       poison=tr.POISON, dummy=t, **tile_meta(d, h), BN=bn,
-      STAGES=TUNING["stages"], INIT=init is not None, PARTIAL=partial,
-      SHARE_FIRST=bool(TUNING["share_first"]))
+      STAGES=TUNING["stages"], INIT=init is not None, PARTIAL=partial)
   if qgrad_supported(c):
     dt = query_gain_grad(dlr, (1, h * n, n), S, s_row or 0, n, m, h)
   else:
