@@ -9,8 +9,9 @@
 #          (benchmarks/depth_attention.py; configs BT x warps x stages x SB),
 #          each checked against the jnp reference first
 # sources: triton_stack.sources_kernel, 16 sources' share of 16 sites (one
-#          block a token: the split cotangent buffers) and of 48, under
-#          SOURCES_TUNING variants (benchmarks/source_grad.py --group 16)
+#          block a token: the split cotangent buffers) and of 48 (or
+#          $SOURCES_MS), under SOURCES_TUNING variants (or the JSON list
+#          $SOURCES_TUNINGS) (benchmarks/source_grad.py --group 16)
 # qgrad:   triton_stack.query_gain_grad (the query-gain product) under
 #          QGRAD_TUNING variants against XLA's einsum: one source's row with
 #          16 sites, and 16 sources' rows with 32, 48 and 64 sites
@@ -39,9 +40,12 @@ if [[ $what == sites || $what == all ]]; then
   echo "== sites (rc $?)"; grep -E "copy|depth attention|ERROR" "$OUT/sweep-sites.txt"
 fi
 if [[ $what == sources || $what == all ]]; then
-  TUNINGS='[{"warps": 4}, {"warps": 2}, {"warps": 8}, {"stages": 2},
-    {"stages": 4}, {"tokens_per_program": 32}, {"tokens_per_program": 8}]'
-  for m in 16 48; do
+  # SOURCES_TUNINGS (a JSON list) and SOURCES_MS (site counts) override
+  TUNINGS=${SOURCES_TUNINGS:-'[{"warps": 4}, {"warps": 2}, {"warps": 8},
+    {"stages": 2}, {"stages": 4}, {"tokens_per_program": 32},
+    {"tokens_per_program": 8}, {"site_block": 32}, {"site_block": 32,
+    "warps": 8}, {"site_block": 64, "warps": 8}]'}
+  for m in ${SOURCES_MS:-16 48}; do
     timeout 180 python3 benchmarks/source_grad.py --group 16 --m $m \
       --tunings "$TUNINGS" > "$OUT/sweep-sources-m$m.txt" 2>&1
     echo "== sources, 16 x $m sites (rc $?)"
