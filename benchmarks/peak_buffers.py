@@ -143,7 +143,7 @@ def compile_with_dump(run: str, dump: str, micro_tokens: int,
   """Compiles ``run``'s train step in a child process dumping to ``dump``
   (for an H200 without one if ``deviceless``: :mod:`h200_aot`)."""
   preset, _, scheme = run.partition("/")
-  env = throughput.child_env(xla_remat)
+  env = throughput.child_env(xla_remat, run)
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
                       " --xla_dump_hlo_module_re=jit_step")
   code = ("import sys; sys.path.insert(0, %r); devices = None\n"

@@ -28,7 +28,9 @@ the routing implementation (e.g. ``mhar:reference``) and ``+KEY=VALUE`` to
 override a model config key (e.g. ``prenorm+remat=True``; another section's
 with its name, ``mhar+train.loss_chunk_tokens=8192``; a Triton kernel's tuning
 with ``kernels.NAME``, NAME one of ``route``, ``source_grad``, ``sites``,
-``sources``, ``query_gain``: ``mhar+kernels.sites.warps=2``). Presets are
+``sources``, ``query_gain``: ``mhar+kernels.sites.warps=2``; an XLA flag
+with ``xla.``, added to that run's ``XLA_FLAGS``, ``;`` for ``,`` in its
+value: ``mhar+xla.xla_gpu_enable_command_buffer=FUSION;CUBLAS``). Presets are
 config files in ``configs/`` (``100m``, ``350m``, ``1b``, ``bench100m``, ...).
 
 Two phases: first every (preset, scheme) is compiled ahead of time, up to
@@ -112,6 +114,8 @@ def child(preset: str, scheme: str, steps: int, warmup: int,
     except (ValueError, SyntaxError):
       pass
     section, _, key = key.rpartition(".")
+    if section == "xla":
+      continue                    # the parent set it (run_child, child_env)
     if section.startswith("kernels."):
       tunings = kernel_tunings()
       name = section.removeprefix("kernels.")
@@ -225,10 +229,18 @@ def compiled_bytes(compiled) -> int | None:
 NO_REMAT = "--xla_disable_hlo_passes=rematerialization"
 
 
-def child_env(xla_remat: bool) -> dict:
+def child_env(xla_remat: bool, run: str = "") -> dict:
+  """The environment of a child process for ``run``: ``XLA_FLAGS`` with
+  XLA's rematerialization off (unless ``xla_remat``) and the run's
+  ``+xla.FLAG=VALUE`` overrides."""
   env = dict(os.environ)
-  if not xla_remat:
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + NO_REMAT).strip()
+  flags = [] if xla_remat else [NO_REMAT]
+  for kv in run.split("+")[1:]:
+    key, _, value = kv.partition("=")
+    if key.startswith("xla."):
+      flags.append(f"--{key.removeprefix('xla.')}={value.replace(';', ',')}")
+  if flags:
+    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + flags).strip()
   return env
 
 
@@ -245,7 +257,7 @@ def run_child(run: str, a, compile_only: bool, timeout: int):
          "--routing_impl", a.routing_impl, "--cache_dir", a.cache_dir,
          "--profile", str(0 if compile_only or not profiled(run, a)
                           else a.profile)]
-  env = child_env(a.xla_remat)
+  env = child_env(a.xla_remat, run)
   if compile_only:
     cmd.append("--compile_only")
     # Several compiling processes share the GPU (XLA's autotuner allocates

@@ -111,6 +111,28 @@ def test_triton_stack_kernel_inverse_rms(monkeypatch, dtype, lead, d, heads,
                                       site_group)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("lead,d,heads,n,blocks,site_group", [
+    ((3, 160), 1280, 8, 17, None, 16), ((2, 37), 64, 4, 40, None, 16),
+    ((3, 160), 1280, 8, 6, (0, 0, 0, 1, 1, 2), 2)])
+def test_triton_stack_ffi_launch(monkeypatch, dtype, lead, d, heads, n,
+                                 blocks, site_group):
+  """Every kernel launched through jaxlib's typed-FFI Triton call
+  (``ffi_launch``): the program calls only that target, and the stack
+  matches the reference."""
+  from mhar_jax.kernels import triton_route
+  monkeypatch.setitem(triton_route.TUNING, "ffi_launch", True)
+  x = jnp.zeros((*lead, d), dtype)
+  hlo = jax.jit(jax.grad(lambda x: jnp.sum(routed_stack(
+      x, ({"w": jnp.eye(d), "b": jnp.zeros(d)},) * 2, sublayer,
+      jnp.ones((3, d)), jnp.ones((3, d)), jnp.asarray(1.0), num_heads=heads,
+      impl="triton").astype(jnp.float32)))).lower(x).as_text()
+  assert "triton_kernel_call_ffi" in hlo
+  assert "@triton_kernel_call(" not in hlo
+  test_triton_stack_matches_reference(dtype, lead, d, heads, n, blocks,
+                                      site_group)
+
+
 @pytest.mark.parametrize("num_blocks,num_layers,recompute", [
     (0, 3, "none"), (2, 3, "none"), (0, 13, "none"), (0, 13, "attention"),
     (0, 13, "all"), (0, 24, "all"), (3, 13, "all")])

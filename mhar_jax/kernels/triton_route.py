@@ -107,6 +107,7 @@ import os
 import jax
 import jax.numpy as jnp
 import jax_triton as jt
+from jax.interpreters import mlir
 import triton
 import triton.language as tl
 
@@ -137,6 +138,12 @@ CHUNK = 16
 # better (session 13) and was removed.
 # Defaults: best of the sweep on an H200 (benchmarks/ROUTING_NOTES.md; the
 # forward re-checked at D = 1280, benchmarks/RESULTS.md session 9).
+# `ffi_launch`: every kernel of this package is launched through jaxlib's
+# typed-FFI Triton call (`triton_kernel_call_ffi`, see `_ffi_lowering`),
+# which XLA may capture into its command buffers (CUDA graphs) together with
+# the fusions around it; jax-triton 0.3.1 emits the legacy
+# `triton_kernel_call`, which XLA runs outside them, so each launch also ends
+# a command buffer and starts another (read at trace time).
 TUNING: dict = {
     "fwd_elems_per_thread": 16, "fwd_warps": 4, "fwd_prefetch": 4,
     "cpass_elems_per_thread": 16, "cpass_warps": 4, "cpass_prefetch": 4,
@@ -144,6 +151,7 @@ TUNING: dict = {
     "bwd_prefetch": 2,
     "fwd_given_r": True,
     "bwd_given_r": True,
+    "ffi_launch": False,
 }
 # Pin the forward / c-pass accumulators in place (see `_pin`). Off under
 # Triton's interpreter, which cannot run inline asm.
@@ -1563,10 +1571,48 @@ def _launch(kernel, inputs, scalars, out_shapes, *, grid, num_warps,
       aliases[n_in + j] = j
     else:
       inits.append(dummy)
+  target = "triton_kernel_call"
+  if TUNING["ffi_launch"]:
+    _use_ffi_lowering()
+    target = FFI_TARGET
   return jt.triton_call(
       *inputs, *inits, *scalars, kernel=kernel, out_shape=list(out_shapes),
       grid=grid, num_warps=num_warps, num_stages=1,
-      input_output_aliases=aliases, **meta)
+      input_output_aliases=aliases, custom_call_target_name=target, **meta)
+
+
+FFI_TARGET = "triton_kernel_call_ffi"
+
+
+@functools.cache
+def _use_ffi_lowering():
+  """Registers :func:`_ffi_lowering` as the CUDA lowering of jax-triton's
+  primitive (once; calls for the legacy target lower as before)."""
+  jt_lowering = functools.partial(jt.triton_lib.triton_kernel_call_lowering,
+                                  jt.triton_lib.get_cuda_backend)
+  mlir.register_lowering(jt.triton_lib.triton_kernel_call_p,
+                         functools.partial(_ffi_lowering, jt_lowering),
+                         platform="cuda")
+
+
+def _ffi_lowering(jt_lowering, ctx, *args, custom_call_target_name,
+                  **params):
+  """jax-triton's CUDA lowering of a Triton call; for the target
+  ``FFI_TARGET``, its custom call re-encoded as jaxlib's typed-FFI handler
+  reads it: API version 4, the compressed kernel-call proto (jax-triton's
+  legacy ``backend_config``) as the string attribute ``opaque``."""
+  outs = jt_lowering(ctx, *args,
+                     custom_call_target_name=custom_call_target_name,
+                     **params)
+  if custom_call_target_name == FFI_TARGET:
+    ir = mlir.ir
+    op = outs[0].owner
+    attrs = getattr(op, "operation", op).attributes
+    attrs["backend_config"] = ir.DictAttr.get(
+        {"opaque": attrs["backend_config"]})
+    attrs["api_version"] = ir.IntegerAttr.get(
+        ir.IntegerType.get_signless(32), 4)
+  return outs
 
 
 def _chunks(seq, k):
