@@ -91,7 +91,8 @@ PY
 fi
 if [[ $what == grad || $what == all ]]; then
   TUNINGS='[{}, {"elems_per_thread": 12}, {"elems_per_thread": 48},
-    {"warps": 8}, {"warps": 2}, {"stages": 4}]'
+    {"warps": 8}, {"warps": 2}, {"stages": 4}, {"stages": 5},
+    {"stages": 4, "elems_per_thread": 48}]'
   timeout 300 python3 benchmarks/source_grad.py --init --ms 1,4,8,16 \
     --tunings "$TUNINGS" > "$OUT/sweep-grad.txt" 2>&1
   echo "== source gradient, 1 / 4 / 8 / 16 sites and a share (rc $?)"
