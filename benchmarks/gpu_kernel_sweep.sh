@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_kernel_sweep.sh [tests|sites|sources|qgrad|grad|all]
 # tests:   both kernels and the query-gain product against the jnp
 #          references on the GPU (values, poisoned outputs, split cotangent
-#          buffers)
+#          buffers): benchmarks/gpu_tests.sh kernels
 # sites:   triton_stack.sites_kernel, G = 16 sites over 16 / 37 / 64 sources
 #          (benchmarks/depth_attention.py; configs BT x warps x stages x SB),
 #          each checked against the jnp reference first
@@ -27,10 +27,7 @@ source benchmarks/gpu_env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 what=${1:-all}
 if [[ $what == tests || $what == all ]]; then
-  timeout 300 python3 -m pytest -o addopts="" -q -x --tb=short -p no:warnings \
-    tests/test_stack_gpu.py -k "group_kernels or query_gain" \
-    > "$OUT/sweep-tests.txt" 2>&1
-  echo "== tests (rc $?)"; tail -3 "$OUT/sweep-tests.txt"
+  OUT=$OUT bash benchmarks/gpu_tests.sh kernels
 fi
 if [[ $what == sites || $what == all ]]; then
   timeout 240 python3 benchmarks/depth_attention.py \

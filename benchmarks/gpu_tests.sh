@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU tests in parts that each fit a device call, on one GPU (device
+# tool; carry .whl):
+#   bash benchmarks/gpu_tests.sh [PART ...]    (default: every part, in order)
+# Parts (pytest -k over tests/test_stack_gpu.py unless named otherwise):
+#   ffi      the stack with every kernel launched through the typed-FFI call
+#   kernels  the group kernels and the query-gain product
+#   f32      the stack against the reference, float32
+#   bf16     ... bfloat16
+#   rms      the stack with the forward kernel computing the inverse RMS
+#   decoder  the decoder's source-major backward
+#   route    tests/test_triton_route.py (route() alone)
+# Each part's verbose output goes to $OUT/gpu-tests-PART.txt (so a part cut
+# by its timeout still says which cases passed); its last lines are printed.
+set -uo pipefail
+source benchmarks/gpu_env.sh || exit 1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+TIMEOUT=${PART_TIMEOUT:-280}
+declare -A SEL=(
+  [ffi]="-k ffi_launch" [kernels]="-k group_kernels or query_gain"
+  [f32]="-k matches_reference and float32"
+  [bf16]="-k matches_reference and bfloat16"
+  [rms]="-k inverse_rms" [decoder]="-k decoder")
+for part in ${@:-ffi kernels f32 bf16 rms decoder route}; do
+  if [[ $part == route ]]; then
+    args=(tests/test_triton_route.py)
+  elif [[ -n ${SEL[$part]:-} ]]; then
+    args=(tests/test_stack_gpu.py -k "${SEL[$part]#-k }")
+  else
+    echo "gpu_tests.sh: no part '$part' (ffi kernels f32 bf16 rms decoder route)"
+    exit 2
+  fi
+  timeout "$TIMEOUT" python3 -m pytest -o addopts="" -v --tb=short \
+    -p no:warnings --durations=5 "${args[@]}" > "$OUT/gpu-tests-$part.txt" 2>&1
+  rc=$?
+  echo "== $part (rc $rc$([[ $rc == 124 ]] && echo ': cut by the timeout'))"
+  grep -cE " PASSED" "$OUT/gpu-tests-$part.txt" | sed 's/^/   passed: /'
+  grep -E " FAILED| ERROR|^(FAILED|ERROR) " "$OUT/gpu-tests-$part.txt" | head -5
+  tail -1 "$OUT/gpu-tests-$part.txt"
+done
