@@ -17,15 +17,15 @@ source benchmarks/gpu_env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 TIMEOUT=${PART_TIMEOUT:-280}
 declare -A SEL=(
-  [ffi]="-k ffi_launch" [kernels]="-k group_kernels or query_gain"
-  [f32]="-k matches_reference and float32"
-  [bf16]="-k matches_reference and bfloat16"
-  [rms]="-k inverse_rms" [decoder]="-k decoder")
+  [ffi]="ffi_launch" [kernels]="group_kernels or query_gain"
+  [f32]="matches_reference and float32"
+  [bf16]="matches_reference and bfloat16"
+  [rms]="inverse_rms" [decoder]="decoder")
 for part in ${@:-ffi kernels f32 bf16 rms decoder route}; do
   if [[ $part == route ]]; then
     args=(tests/test_triton_route.py)
   elif [[ -n ${SEL[$part]:-} ]]; then
-    args=(tests/test_stack_gpu.py -k "${SEL[$part]#-k }")
+    args=(tests/test_stack_gpu.py -k "${SEL[$part]}")
   else
     echo "gpu_tests.sh: no part '$part' (ffi kernels f32 bf16 rms decoder route)"
     exit 2
