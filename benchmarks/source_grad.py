@@ -205,8 +205,7 @@ def qgrad(a):
   ks = jax.random.split(jax.random.key(0), 2)
   S = jax.random.normal(ks[0], (g, n, d), jnp.bfloat16)
   if a.group:            # sources_kernel's layout [G, N, H, MP], padded
-    mp = -(-m // ts.SOURCES_TUNING["site_block"]) * ts.SOURCES_TUNING[
-        "site_block"]
+    mp = ts.sources_dlr_sites(m)
     dlr = jax.random.normal(ks[1], (g, n, h, mp))
     strides, k = (h * mp, 1, mp), g * n
     xla_args = (dlr[..., :m], S)       # XLA's operand unpadded: no slice

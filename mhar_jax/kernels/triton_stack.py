@@ -947,6 +947,14 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
                      accb, dt, CA, CB, INIT)
 
 
+def sources_dlr_sites(m: int) -> int:
+  """Sites of :func:`sources_kernel`'s ``dlr`` for ``m`` sites: ``m`` rounded
+  up to whole site blocks (``SOURCES_TUNING["site_block"]``), the rest
+  zeros."""
+  mb = int(SOURCES_TUNING["site_block"])
+  return triton.cdiv(m, mb) * mb
+
+
 def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
                           m: int, h: int, init=None, dx_row: int | None = None):
   """The share of the sites ``j .. j+m-1`` in the gradients of the sources
@@ -961,7 +969,7 @@ def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
   """
   _, n, d = S.shape
   mb = int(SOURCES_TUNING["site_block"])
-  mp = triton.cdiv(m, mb) * mb            # dlr's sites, padded with zeros
+  mp = sources_dlr_sites(m)
   t = t.astype(jnp.float32)
   if S.dtype != jnp.float32:          # the queries as two terms, split once
     t, t_lo = t.astype(S.dtype), (t - t.astype(S.dtype)).astype(S.dtype)
