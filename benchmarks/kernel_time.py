@@ -67,29 +67,59 @@ def kernel_events(trace_dir: str, device: str = "/device:GPU:0"
   return events
 
 
+def kernel_family(name: str) -> str:
+  """``name`` without XLA's numeric suffix (``loop_add_fusion_584`` ->
+  ``loop_add_fusion``): one row for the instances of a fusion kind."""
+  return re.sub(r"(_\d+)+$", "", name)
+
+
 def breakdown(events, steps: int, top: int = 20) -> dict:
   """Per-step milliseconds by category and the ``top`` largest kernels.
 
-  Returns ``{"total_ms", "busy_ms", "categories": {cat: ms}, "top": [(name,
-  ms, calls)], "kernels": {name: [ms, calls]}}`` (``busy_ms``: the time at
-  least one kernel ran, the union of the ``(start, duration)`` intervals;
-  ``kernels``: every kernel, so that two runs' steps can be compared kernel
-  by kernel) with every figure divided by ``steps``.
+  Returns ``{"total_ms", "busy_ms", "span_ms", "idle_after",
+  "idle_before", "categories": {cat: ms}, "top": [(name, ms, calls)],
+  "kernels": {name: [ms, calls]}}`` (``busy_ms``: the time at least one
+  kernel ran, the union of the ``(start, duration)`` intervals; ``span_ms``:
+  first kernel's start to last kernel's end, so ``span_ms - busy_ms`` is the
+  GPU's idle time between the traced kernels; ``idle_after`` /
+  ``idle_before``: the ``top`` kernel families (:func:`kernel_family`) by
+  the idle time that follows / precedes their kernels, as ``(family, ms,
+  gaps)``; ``kernels``: every kernel, so that two runs' steps can be
+  compared kernel by kernel) with every figure divided by ``steps``.
   """
   per_cat = collections.Counter()
   per_name = collections.Counter()
   calls = collections.Counter()
-  busy, end = 0.0, float("-inf")
-  for name, ns, start in sorted(events, key=lambda e: e[2]):
+  idle_after, idle_before = collections.Counter(), collections.Counter()
+  gaps_after, gaps_before = collections.Counter(), collections.Counter()
+  busy, end, last = 0.0, float("-inf"), None
+  events = sorted(events, key=lambda e: e[2])
+  for name, ns, start in events:
     per_cat[categorize(name)] += ns
     per_name[name] += ns
     calls[name] += 1
+    if last is not None and start > end:
+      a, b = kernel_family(last), kernel_family(name)
+      idle_after[a] += start - end
+      gaps_after[a] += 1
+      idle_before[b] += start - end
+      gaps_before[b] += 1
     busy += max(0.0, start + ns - max(start, end))
     end = max(end, start + ns)
+    last = name
   scale = 1e-6 / steps
+  span = end - events[0][2] if events else 0.0
+
+  def idle(ms, gaps):
+    return [(n[:90], v * scale, gaps[n] / steps)
+            for n, v in ms.most_common(top)]
+
   return {
       "total_ms": sum(per_cat.values()) * scale,
       "busy_ms": busy * scale,
+      "span_ms": span * scale,
+      "idle_after": idle(idle_after, gaps_after),
+      "idle_before": idle(idle_before, gaps_before),
       "categories": {c: v * scale for c, v in per_cat.most_common()},
       "top": [(n[:90], v * scale, calls[n] / steps)
               for n, v in per_name.most_common(top)],
@@ -105,6 +135,15 @@ def format_breakdown(label: str, b: dict, step_ms: float | None = None) -> str:
           f" {b['total_ms'] - b['busy_ms']:.1f})")
   if step_ms:
     head += f"; timed step {step_ms:.1f} ms: {b['busy_ms'] / step_ms:.0%} busy"
+  if "span_ms" in b:
+    head += (f"\nidle between kernels {b['span_ms'] - b['busy_ms']:.1f} ms a"
+             f" step (span {b['span_ms']:.1f} ms); idle after / before kernels"
+             " of a family (ms, gaps a step): after "
+             + ", ".join(f"`{n}` {ms:.2f} ({g:g})"
+                         for n, ms, g in b["idle_after"][:6])
+             + "; before "
+             + ", ".join(f"`{n}` {ms:.2f} ({g:g})"
+                         for n, ms, g in b["idle_before"][:6]))
   rows = ["| category | ms / step | share |", "|---|---|---|"]
   for cat, ms in b["categories"].items():
     rows.append(f"| {cat} | {ms:.1f} | {ms / b['total_ms']:.1%} |")

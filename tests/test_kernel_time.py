@@ -44,6 +44,19 @@ def test_breakdown_divides_by_steps_and_ranks():
   text = kernel_time.format_breakdown("x", b, step_ms=8.0)
   assert "72% busy" in text and "| matmul | 4.0 |" in text
   assert "overlap 0.2" in text
+  # idle: 4.5-5 ms (after the add, before the bwd), 8-10 ms (after the bwd)
+  assert b["span_ms"] == pytest.approx(7.0)
+  assert b["idle_after"] == [("_bwd_kernel", pytest.approx(1.0), 0.5),
+                             ("loop_add_fusion", pytest.approx(0.25), 0.5)]
+  assert b["idle_before"][0] == ("gemm_a", pytest.approx(1.0), 0.5)
+  assert "idle between kernels 1.2 ms a step (span 7.0 ms)" in text
+
+
+def test_kernel_family_strips_numeric_suffixes():
+  assert kernel_time.kernel_family("loop_add_fusion_584") == "loop_add_fusion"
+  assert kernel_time.kernel_family("input_reduce_fusion_3_1") == (
+      "input_reduce_fusion")
+  assert kernel_time.kernel_family("sm90_gemm_128x128") == "sm90_gemm_128x128"
 
 
 def test_kernel_events_without_trace_or_device(tmp_path):
