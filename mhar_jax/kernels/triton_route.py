@@ -143,8 +143,9 @@ CHUNK = 16
 # which XLA may capture into its command buffers (CUDA graphs) together with
 # the fusions around it; jax-triton 0.3.1 emits the legacy
 # `triton_kernel_call`, which XLA runs outside them, so each launch also ends
-# a command buffer and starts another (read at trace time). Off: compiled for
-# an H200 without one, not yet run on a GPU (RESULTS.md session 21).
+# a command buffer and starts another (read at trace time). Off: on the GPU
+# it puts every call in a command buffer (100m: 299 -> 15 host launches a
+# step) but the 1b step is no faster (RESULTS.md session 22).
 TUNING: dict = {
     "fwd_elems_per_thread": 16, "fwd_warps": 4, "fwd_prefetch": 4,
     "cpass_elems_per_thread": 16, "cpass_warps": 4, "cpass_prefetch": 4,
