@@ -38,15 +38,31 @@ def rel(a, b):
   return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
 
 
-def grads(impl, h, params, queries, gains, cot, heads, blocks=None,
-          site_group=0):
+def _grads(h, params, queries, gains, cot, impl, heads, blocks, site_group):
   def f(h, params, queries, gains):
     out = routed_stack(h, params, sublayer, queries, gains,
                        jnp.asarray(1.3, jnp.float32), num_heads=heads,
                        impl=impl, blocks=blocks, site_group=site_group)
     return jnp.sum(out.astype(jnp.float32) * cot), out
-  return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True))(
-      h, params, queries, gains)
+  return jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True)(h, params, queries,
+                                                          gains)
+
+
+# The reference's compile is shared by every test with its shapes (at 40
+# sites it takes about a minute); the kernels' is not: they read tunings
+# (e.g. ``ffi_launch``) that tests change at trace time.
+_reference_grads = jax.jit(_grads, static_argnums=(5, 6, 7, 8))
+
+
+def grads(impl, h, params, queries, gains, cot, heads, blocks=None,
+          site_group=0):
+  """Gradients of ``sum(routed_stack(...) * cot)`` by ``impl`` (jitted)."""
+  if impl == "reference":
+    return _reference_grads(h, params, queries, gains, cot, impl, heads,
+                            blocks, site_group)
+  # a new function each call: traced afresh under the tunings of the moment
+  return jax.jit(lambda *a: _grads(*a, impl, heads, blocks, site_group))(
+      h, params, queries, gains, cot)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
