@@ -7,11 +7,12 @@ For every (preset, scheme) a fresh process (so peak memory is its own) builds
 the preset's model in bf16 with fp32 parameters, jits the full train step
 (forward + backward + AdamW, the trainer's own step function) on random
 tokens of the preset's sequence length and global batch, runs ``--warmup``
-steps, then times ``--steps`` steps back to back (dispatched without waiting,
-as the trainer runs them: their mean is the step time) and ``--steps`` more
-waited for one by one (their median, "waited": it adds the host's work a step
-where the device would otherwise hide it).
-Printed: tokens/s (of the back-to-back steps), MFU (FLOPs per token ``6N + 6 L H_q d_h T``, dense bf16
+steps, then times ``--steps`` steps waited for one by one (their median,
+"waited": each pays the host's work a step in full) and ``--steps`` more back
+to back (dispatched without waiting, as the trainer runs them, which hides
+that work behind the step before: their mean is the step time).
+Printed: tokens/s (of the back-to-back steps), MFU (FLOPs per token
+``6N + 6 L H_q d_h T``, dense bf16
 peak 989 TFLOP/s for H100/H200), peak device memory (``memory_stats``),
 the memory XLA planned for the step (its buffer assignment) and the ratios
 to ``prenorm`` of the same preset measured in the same run. XLA's
