@@ -1,3 +1,5 @@
+"""Fusion kernels of two XLA dumps of the train step, by kind, JAX operation and shape: counts in the first
+less the second (>= 20 shown). python3 THIS MHAR_DUMP_DIR BASELINE_DUMP_DIR"""
 import re,collections,sys
 def load(d):
   T=open(d+'/module_0001.jit_step.thunk_sequence_after_thunk_passes.txt').read().splitlines()
@@ -20,7 +22,8 @@ def load(d):
     o=re.sub(r'jit\(step\)/','',o)
     c[(fam, o[:70], re.sub(r'\{.*','',shape.group(1))[:40] if shape else '?')]+=1
   return c
-a=load('/tmp/s22/dump'); b=load('/tmp/s22/dumpb')
+# argv: the MHAR dump directory, the baseline's (peak_buffers.compile_with_dump)
+a=load(sys.argv[1]); b=load(sys.argv[2])
 keys=sorted(set(a)|set(b), key=lambda k: -(a[k]-b[k]))
 for k in keys:
   if a[k]-b[k]>=20: print(f"{a[k]-b[k]:+5d} {a[k]:5d} {b[k]:5d}", k)
