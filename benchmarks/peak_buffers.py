@@ -81,10 +81,11 @@ def heap_report(assignment: str, live_range: str, min_hole: int = 1 << 26
   ``min_hole`` bytes in the layout at that time, each ``(offset, size,
   [(name, size, start, end), ...])`` with the buffers of at least
   ``min_hole`` bytes that hold that range at some other time (what the hole
-  is kept free for)."""
+  is kept free for); ``at_peak``: the temporaries live then, ``(name, size,
+  start, end)``, largest first."""
   i = assignment.find("preallocated-temp:")
   if i < 0:
-    return dict(extent=0, live=0, at=None, holes=[])
+    return dict(extent=0, live=0, at=None, at_peak=[], holes=[])
   j = assignment.find("\nallocation", i)
   seg = assignment[i:j if j >= 0 else len(assignment)]
   spans = {_name(m.group(1)): (int(m.group(2)), int(m.group(3)))
@@ -113,11 +114,20 @@ def heap_report(assignment: str, live_range: str, min_hole: int = 1 << 26
     pos = max(pos, off + size)
   if extent - pos >= min_hole:
     holes.append((pos, extent - pos))
-  return dict(extent=extent, live=best, at=at, holes=[
+  at_peak = sorted(((n, size, s, e) for n, size, _, s, e in bufs
+                    if s <= at < e), key=lambda b: -b[1])
+  return dict(extent=extent, live=best, at=at, at_peak=at_peak, holes=[
       (p, g, sorted(((n, size, s, e) for n, size, off, s, e in bufs
                      if size >= min_hole and off < p + g and off + size > p),
                     key=lambda b: b[2]))
       for p, g in holes])
+
+
+def op_names(hlo: str) -> dict:
+  """Instruction name -> the JAX operation that made it (``op_name``), from
+  an optimized module's text."""
+  return {m.group(1): m.group(2) for m in re.finditer(
+      r'^\s*(?:ROOT )?%([^\s=]+) = .*?op_name="([^"]*)"', hlo, re.M)}
 
 
 def rematerialized(hlo: str) -> int:
@@ -190,7 +200,8 @@ def main():
               if assignment else None)
       hlo = sorted(glob.glob(os.path.join(
           dump, "*jit_step*after_optimizations.txt")), key=os.path.getsize)
-      remat = rematerialized(open(hlo[-1]).read()) if hlo else "?"
+      hlo_text = open(hlo[-1]).read() if hlo else ""
+      remat = rematerialized(hlo_text) if hlo else "?"
       gib = lambda x: f"{x / 2**30:8.3f} GiB" if x is not None else "-"  # noqa: E731
       print(f"== {run}: peak {gib(rep['peak'])} at schedule position "
             f"{rep['position']}; {remat} rematerialized instructions")
@@ -207,6 +218,11 @@ def main():
           print(f"  {gib(size)} at offset {off / 2**30:.2f} GiB, held at other"
                 " times by: " + ", ".join(f"{n} ({m / 2**30:.2f} GiB, {s0}-{e0})"
                                          for n, m, s0, e0 in held[:4]))
+        ops = op_names(hlo_text)
+        print("  largest temporaries live there (schedule span, operation):")
+        for n, m, s0, e0 in heap["at_peak"][:a.top]:
+          print(f"  {gib(m)}  {n} ({s0}-{e0}) "
+                f"{op_key(ops.get(n.split('{')[0], '?'))}")
       if first is None:
         first = (run, _by_key(rep["by_op"]))
         continue

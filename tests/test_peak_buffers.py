@@ -86,5 +86,14 @@ allocation 1: size 10, preallocated-temp:
   # then the 2 bytes between later and late are a hole that early held
   assert rep["live"] == 8 and rep["at"] == 6
   assert rep["holes"] == [(2, 2, [("early", 4, 0, 2)])]
+  assert rep["at_peak"] == [("late", 6, 2, 8), ("later", 2, 6, 8)]
   assert peak_buffers.heap_report("", "") == dict(extent=0, live=0, at=None,
-                                                  holes=[])
+                                                  at_peak=[], holes=[])
+
+
+def test_op_names_maps_instructions_to_jax_operations():
+  hlo = """ENTRY %main {
+  %fusion.3 = f32[4]{0} fusion(%p0), kind=kLoop, metadata={op_name="jit(step)/jvp()/mul" stack_frame_id=2}
+  ROOT %t = (f32[4]) tuple(%fusion.3)
+}"""
+  assert peak_buffers.op_names(hlo) == {"fusion.3": "jit(step)/jvp()/mul"}

@@ -410,9 +410,10 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks):
     assert calls == ["sites"] * 3 + ["sources"] * (2 + bool(project)), calls
     assert partials == 0
     # the saved sources' buffer: every source a row of it, and every share
-    # of a group below the top a row of that group's sums (sources 0 .. 5)
-    assert rows == ([(False, False)] * 4 + [(False, True)] * 6 if project
-                    else [(True, False)] * 4 + [(True, True)] * 6), rows
+    # of a group below the top a row of that group's sums (sources 0 .. 5);
+    # recomputed, the top group's sources are arrays and the others rows of
+    # their group's stack (the one the share was computed from)
+    assert rows == [(bool(not project), False)] * 4 + [(True, True)] * 6, rows
   else:   # spans of sites [0, 3), [3, 5), [5, 9), [9]: s_0 continues 3
     assert calls == [] and partials == 3 + 2 + 1, calls
   want = run(stack._Plan(h, 1e-6, "reference", blocks=blk))

@@ -669,8 +669,11 @@ def _stack_bwd(fns, plan, res, g):
                                    dx_row=row)
           *part, dtp = settled(part)
           dt = dt.at[lo:lo + rows_m].add(dtp)
-        share = (a, *part)
-      init, init_row, m = share[1:], i - a, b - i   # rows of the share
+        share = (a, *part, rows, a0)
+      *init, rows, a0 = share[1:]
+      init, init_row, m = tuple(init), i - a, b - i   # rows of the share
+      if s_row is None:   # the stacked rows, so the arrays die once stacked
+        s, s_row = rows, a0 + i - a
     if not plan.use_buffers:
       ds, dti = _source_grad_lists(s, r, dxs[i:i + m], xds[i:i + m],
                                    tt[i:i + m], lses[i:i + m], h)
