@@ -376,8 +376,8 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
 
 def _rows_buffer(plan, rows: int, like, dtype, tag: int):
   """``[rows, *like.shape]`` in ``dtype`` for rows each written before it is
-  read: unfilled with Triton (``triton_stack.rows_buffer``; ``tag`` distinct
-  for each buffer of the step), else zeros."""
+  read: unfilled with Triton (``triton_stack.rows_buffer``, made after
+  ``like``; ``tag`` distinct for each buffer of the step), else zeros."""
   if plan.impl == "triton":
     from mhar_jax.kernels import triton_stack
     return triton_stack.rows_buffer(rows, like, tag, plan.mesh,
@@ -581,8 +581,8 @@ def _stack_bwd(fns, plan, res, g):
   def put(k, dx):
     """Site ``k``'s cotangent into its span's buffer (made if new)."""
     a, b = span_of[k]
-    if a not in cots:
-      cots[a] = _rows_buffer(plan, b - a, g, dtype, a)   # tag: the span
+    if a not in cots:      # made after dx (tag: the span)
+      cots[a] = _rows_buffer(plan, b - a, dx, dtype, a)
     cots[a] = cots[a].at[k - a + off].set(dx.astype(dtype))
 
   def cotangents(lo, hi):

@@ -385,8 +385,11 @@ def rows_buffer_local(rows: int, like, dtype, tag: int):
   testing with ``triton_route.poison_outputs``): a launch that writes
   nothing, so XLA allocates the buffer and fills nothing. ``tag`` (a kernel
   argument, unused) keeps XLA from merging two such launches of one program
-  into one buffer, which it would then copy for each writer."""
-  dummy = jnp.zeros((1,), dtype)
+  into one buffer, which it would then copy for each writer. The launch's
+  one input is an element of ``like``, so it runs after ``like`` is made
+  (with no input, XLA's scheduler may hoist it, and the buffer's memory
+  with it, to the program's start)."""
+  dummy = like.reshape(-1)[:1].astype(dtype)
   (out,) = tr._launch(
       _no_write_kernel, [dummy], [int(tag)],
       [jax.ShapeDtypeStruct((rows, *like.shape), dtype)], grid=(1,),
@@ -400,8 +403,10 @@ def rows_buffer(rows: int, like, tag: int, mesh=None, batch_axes=(),
   buffers whose every row is written before it is read, without the
   ``jnp.zeros`` fill (at 1b, 6 GB written a microbatch for nothing):
   :func:`rows_buffer_local`, sharded like ``like``'s leading (token) dim
-  over the batch axes of ``mesh``. ``tag``: distinct for every buffer of one
-  program."""
+  over the batch axes of ``mesh``. The buffer is made after ``like`` (its
+  launch reads one element of it): pass the first array written into it,
+  or XLA may allocate it long before it is used. ``tag``: distinct for every
+  buffer of one program."""
   dtype = like.dtype if dtype is None else dtype
   local = lambda like: rows_buffer_local(rows, like, dtype, tag)  # noqa: E731
   if mesh is None or not batch_axes:
