@@ -171,7 +171,8 @@ def test_cotangents_split_over_buffers(kernel_module, n_tok, d, h, gv, m1,
                                        m2):
   """The sites' cotangents held in two buffers at row offsets: the share of
   both (``sources_partial_local`` on the first, continued in place on the
-  second), a source's gradient from one (``source_grad_local``,
+  second; also written into the first rows of a bigger buffer, ``into``,
+  whose other rows it keeps), a source's gradient from one (``source_grad_local``,
   ``dx_row``) and from both (the upper's sums, ``partial``, continued by the
   lower's) against the reference on one whole-stack buffer."""
   ts = kernel_module
@@ -189,6 +190,12 @@ def test_cotangents_split_over_buffers(kernel_module, n_tok, d, h, gv, m1,
                                  dx_row=1)
     b = ts.sources_partial_local(S, 0, gv, r, upper, t, lse, xd, j + m1, m2,
                                  h, init=a[:2], dx_row=0)
+    # the same into the first rows of a bigger buffer, its last row kept
+    into = jnp.full((gv + 1, n_tok, d), 7.0, jnp.float32)
+    a2 = ts.sources_partial_local(S, 0, gv, r, lower, t, lse, xd, j, m1, h,
+                                  dx_row=1, into=into)
+    b2 = ts.sources_partial_local(S, 0, gv, r, upper, t, lse, xd, j + m1, m2,
+                                  h, init=a2[:2], dx_row=0)
     ds, dt = ts.source_grad_local(S[0], r[0], lower, t, lse, xd, j, h, m1,
                                   dx_row=1)
     up = ts.source_grad_local(S[0], r[0], upper, t, lse, xd, j + m1, h, m2,
@@ -196,6 +203,10 @@ def test_cotangents_split_over_buffers(kernel_module, n_tok, d, h, gv, m1,
     both = ts.source_grad_local(S[0], r[0], lower, t, lse, xd, j, h, m1,
                                 init=up[:2], dx_row=1)
   got = (b[0], b[1], jnp.concatenate([a[2], b[2]]))
+  assert b2[0].shape == (gv + 1, n_tok, d)
+  np.testing.assert_array_equal(b2[0][gv], 7.0)
+  np.testing.assert_array_equal(b2[0][:gv], b[0])
+  np.testing.assert_array_equal(b2[1], b[1])
   for x, y in zip(got, want):
     assert x.shape == y.shape
     np.testing.assert_allclose(x, y, rtol=0, atol=1e-5 * float(jnp.abs(y).max()))
@@ -357,10 +368,16 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks):
                         list(r), ref)
 
   def sources_partial_local(S, i0, gv, r, dX, t, lse, xd, j, m, heads,
-                            init=None, dx_row=None):
+                            init=None, dx_row=None, into=None):
     calls.append("sources")
-    return stack.sources_partial(S[i0:i0 + gv], r, dX, t, lse, xd, j, m, h,
-                                 init, dx_row)
+    buf = into if into is not None else (
+        init[0] if init is not None and init[0].shape[0] != gv else None)
+    if buf is not None:     # the share in the first rows of a bigger buffer
+      calls.append(("into", buf.shape[0] - gv))
+      init = None if init is None else (init[0][:gv], init[1])
+    acc, coef, dt = stack.sources_partial(S[i0:i0 + gv], r, dX, t, lse, xd,
+                                          j, m, h, init, dx_row)
+    return (acc if buf is None else buf.at[:gv].set(acc)), coef, dt
 
   def source_grad_local(s, r, dX, t, lse, xd, i, heads, m=None, init=None,
                         dx_row=None, partial=False, s_row=None,
@@ -402,7 +419,8 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks):
                         mesh=mesh, batch_axes=("data",)))
   partials = calls.count("source")
   rows = [c[1:] for c in calls if c[0] == "rows"]
-  calls = [c for c in calls if c != "source" and c[0] != "rows"]
+  into = [c[1] for c in calls if c[0] == "into"]
+  calls = [c for c in calls if c != "source" and c[0] not in ("rows", "into")]
   if blocks is None:
     # forward groups (0, 3), (3, 7), (7, 10); backward groups [2, 6), [0, 2)
     # under [6, 10); recomputed sources: each group's cotangents apart, so
@@ -414,6 +432,10 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks):
     # recomputed, the top group's sources are arrays and the others rows of
     # their group's stack (the one the share was computed from)
     assert rows == [(bool(not project), False)] * 4 + [(True, True)] * 6, rows
+    # recomputed: each group below the top takes its share into its
+    # cotangent buffer, one row more than the group ([2, 6) once; [0, 2)
+    # in two calls, the second continuing the first)
+    assert into == ([1, 1, 1] if project else []), into
   else:   # spans of sites [0, 3), [3, 5), [5, 9), [9]: s_0 continues 3
     assert calls == [] and partials == 3 + 2 + 1, calls
   want = run(stack._Plan(h, 1e-6, "reference", blocks=blk))

@@ -287,7 +287,8 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
   partials, partial_r = [None] * len(params), [None] * len(params)
   xs, lses, vjps, us = [], [], [], []
   partial = None
-  group = None     # (first site, len(done) then, outputs, log-sum-exps)
+  group = None     # (first site, len(done) then, outputs, log-sum-exps[,
+                   # the last site's apart])
   # Groups routed on tensor cores read the finished sources from one buffer
   # (rows in ``done``'s order), filled in place as they appear; it is what
   # the backward gets (the list's arrays then die as the forward moves on).
@@ -326,11 +327,19 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
       else:
         first = _sites(live, t[j:group_end[j]], live_r, plan)
       group = (j, len(live), *first)
-    a, n_old, outs, glse = group
+      if group_end[j] == len(params) + 1:
+        # The last site's first phase apart (the site after the last
+        # sublayer): the group's [G, ..., D] result then dies at the
+        # sublayer before it, not as the loss begins (the step's peak).
+        tail = jax.lax.optimization_barrier((first[0][-1:], first[1][-1:]))
+        group = (*group, tail)
+    a, n_old, outs, glse, *tail = group
     if len(live) == n_old:           # the group's first site: phase 1 is all
       # Its own arrays: a slice that XLA fuses into each reader (including
       # the backward's) would keep the whole [G, ..., D] result alive.
       return jax.lax.optimization_barrier((outs[j - a], glse[j - a]))
+    if tail and j == len(params):
+      outs, glse, a = *tail[0], j
     return _continue(outs, glse, j - a, live[n_old:], t[j], live_r[n_old:],
                      plan)
 
@@ -563,6 +572,15 @@ def _stack_bwd(fns, plan, res, g):
   else:
     spans = [(0, n + 1)]
   span_of = {k: ab for ab in spans for k in range(*ab)}
+  # Recomputed groups below the top: a group's share (its sources' sums over
+  # the sites above, row ``i - a`` for source i) and its sites' cotangents
+  # (site k in row ``k - a + 1``) share one buffer: each cotangent is written
+  # once the share row below it has been read (source k + 1's gradient).
+  merged = grouped and us is not None
+
+  def span_off(a, b):
+    """Row of span [a, b)'s first site in its cotangent buffer."""
+    return 1 if merged and b <= n else off
   if plan.use_buffers:
     # The buffers are updated in place (their readers, the per-source calls,
     # run before the update that depends on their result). Site k is row
@@ -582,14 +600,15 @@ def _stack_bwd(fns, plan, res, g):
     """Site ``k``'s cotangent into its span's buffer (made if new)."""
     a, b = span_of[k]
     if a not in cots:      # made after dx (tag: the span)
-      cots[a] = _rows_buffer(plan, b - a, dx, dtype, a)
-    cots[a] = cots[a].at[k - a + off].set(dx.astype(dtype))
+      cots[a] = _rows_buffer(plan, b - a + span_off(a, b), dx, dtype, a)
+    cots[a] = cots[a].at[k - a + span_off(a, b)].set(dx.astype(dtype))
 
   def cotangents(lo, hi):
     """``(buffer, first site, sites, the first's row)`` of each span holding
     some of the sites ``lo .. hi-1``."""
     return [(cots[a], max(a, lo), min(b, hi) - max(a, lo),
-             max(a, lo) - a + off) for a, b in spans if a < hi and b > lo]
+             max(a, lo) - a + span_off(a, b))
+            for a, b in spans if a < hi and b > lo]
 
   if plan.use_buffers:
     put(n, g)
@@ -662,15 +681,21 @@ def _stack_bwd(fns, plan, res, g):
           if plan.impl == "triton":
             part = triton_stack.sources_partial(
                 rows, a0, b - a, r_ab, buf, rows_t, lse, xd, lo + off, rows_m,
-                h, plan.mesh, plan.batch_axes, init=part, dx_row=row)
+                h, plan.mesh, plan.batch_axes, init=part, dx_row=row,
+                into=cots[a] if merged and part is None else None)
           else:
             part = sources_partial(rows[a0:a0 + b - a], r_ab, buf, rows_t,
                                    lse, xd, lo + off, rows_m, h, init=part,
                                    dx_row=row)
           *part, dtp = settled(part)
           dt = dt.at[lo:lo + rows_m].add(dtp)
+        if merged:     # the share into rows 0 .. b-a-1 of the group's buffer
+          cots[a] = (part[0] if plan.impl == "triton"
+                     else cots[a].at[:b - a].set(part[0]))
         share = (a, *part, rows, a0)
       *init, rows, a0 = share[1:]
+      if merged:       # the buffer as it is now: later rows not yet written
+        init[0] = cots[a]
       init, init_row, m = tuple(init), i - a, b - i   # rows of the share
       if s_row is None:   # the stacked rows, so the arrays die once stacked
         s, s_row = rows, a0 + i - a

@@ -961,16 +961,20 @@ def sources_dlr_sites(m: int) -> int:
 
 
 def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
-                          m: int, h: int, init=None, dx_row: int | None = None):
+                          m: int, h: int, init=None, dx_row: int | None = None,
+                          into=None):
   """The share of the sites ``j .. j+m-1`` in the gradients of the sources
   in rows ``i0 .. i0+gv-1`` of a buffer, local arrays.
 
   ``S [R, N, D]``, ``r [gv, N]``; ``t``, ``lse``, ``xd`` as in
   :func:`source_grad_local`, ``dX`` holding the sites' cotangents from row
   ``dx_row`` (default ``j``). ``init``: None, or ``(acc, coef)`` as returned
-  here for other sites, which this continues (updated in place). Returns
-  ``(acc [gv, N, D]`` in ``S``'s dtype, ``coef [gv, N, H]``, ``dt [m, D]``
-  float32) as ``stack.sources_partial`` computes them.
+  here for other sites, which this continues (updated in place). ``into``
+  (``init`` None): None, or a buffer ``[R' >= gv, N, D]`` whose rows ``0 ..
+  gv-1`` receive ``acc``, the others kept (updated in place). Returns
+  ``(acc [gv, N, D]`` (``[R', N, D]``: the buffer, with ``into`` or such an
+  ``init``) in ``S``'s dtype, ``coef [gv, N, H]``, ``dt [m, D]`` float32)
+  as ``stack.sources_partial`` computes them.
   """
   _, n, d = S.shape
   mb = int(SOURCES_TUNING["site_block"])
@@ -980,16 +984,21 @@ def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
     t, t_lo = t.astype(S.dtype), (t - t.astype(S.dtype)).astype(S.dtype)
   else:
     t_lo = t
+  if init is not None and into is not None:
+    raise ValueError("sources_partial_local: init and into are exclusive")
   acc_in, coef_in = (S, r) if init is None else init   # unused when not INIT
+  carry = {0: 7, 1: 8} if init is not None else None
+  if into is not None:            # rows written, not added to: INIT off
+    acc_in, carry = into, {0: 7}
   acc, coef, dlr = _group_launch(
       "sources_partial_local", sources_kernel, SOURCES_TUNING,
       [S, r.astype(jnp.float32), dX, t, t_lo, lse, xd, acc_in, coef_in],
       [int(i0), gv, int(j), int(j if dx_row is None else dx_row), int(m), mp,
        n],
-      [jax.ShapeDtypeStruct((gv, n, d), S.dtype),
+      [jax.ShapeDtypeStruct(acc_in.shape if carry else (gv, n, d), S.dtype),
        jax.ShapeDtypeStruct((gv, n, h), jnp.float32),
        jax.ShapeDtypeStruct((gv, n, h, mp), jnp.float32)],
-      S.dtype, n, d, h, gv, carry={0: 7, 1: 8} if init is not None else None,
+      S.dtype, n, d, h, gv, carry=carry,
       MB=mb, EVEN_M=m % mb == 0, INIT=init is not None)
   c = d // h
   if qgrad_supported(c):                  # the buffer's rows read in place
@@ -1003,32 +1012,36 @@ def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
 
 def sources_partial(S, i0: int, gv: int, r, dX, t, lse, xd, j: int, m: int,
                     h: int, mesh=None, batch_axes=(), init=None,
-                    dx_row: int | None = None):
+                    dx_row: int | None = None, into=None):
   """:func:`sources_partial_local` on ``S [R, tokens..., D]``, ``r [gv,
   tokens...]`` and ``[R', tokens..., *]`` buffers (``init``: None or ``(acc
-  [gv, tokens..., D], coef [gv, tokens..., H])``), under ``shard_map`` over
-  the batch axes of ``mesh`` when given (``dt`` psummed). Returns ``(acc
-  [gv, tokens..., D], coef [gv, tokens..., H], dt [m, D])``."""
+  [gv or R'', tokens..., D], coef [gv, tokens..., H])``; ``into``: None or
+  ``[R'', tokens..., D]``), under ``shard_map`` over the batch axes of
+  ``mesh`` when given (``dt`` psummed). Returns ``(acc [gv or R'',
+  tokens..., D], coef [gv, tokens..., H], dt [m, D])``."""
   from jax.sharding import PartitionSpec as P
   lead = S.shape[1:-1]
 
-  def local(S, r, dX, t, lse, xd, *init):
+  def local(S, r, dX, t, lse, xd, *extra):
     loc = S.shape[1:-1]
     flat = lambda x: x.reshape(x.shape[0], -1, x.shape[-1])  # noqa: E731
+    extra = tuple(flat(x) for x in extra)
     acc, coef, dt = sources_partial_local(
         flat(S), i0, gv, r.reshape(gv, -1), flat(dX), t, flat(lse), flat(xd),
-        j, m, h, tuple(flat(x) for x in init) or None, dx_row)
+        j, m, h, None if into is not None else (extra or None), dx_row,
+        extra[0] if into is not None else None)
     if mesh is not None and batch_axes:
       dt = jax.lax.psum(dt, batch_axes)
-    return (acc.reshape(gv, *loc, S.shape[-1]), coef.reshape(gv, *loc, h),
-            dt)
+    return (acc.reshape(acc.shape[0], *loc, S.shape[-1]),
+            coef.reshape(gv, *loc, h), dt)
 
-  init = () if init is None else tuple(init)
+  extra = (into,) if into is not None else (
+      () if init is None else tuple(init))
   if mesh is None:
-    return local(S, r, dX, t, lse, xd, *init)
+    return local(S, r, dX, t, lse, xd, *extra)
   _, _, rows, rows_r = _specs(batch_axes, len(lead))
   return jax.shard_map(local, mesh=mesh,
                        in_specs=(rows, rows_r, rows, P(), rows, rows,
-                                 *(rows for _ in init)),
+                                 *(rows for _ in extra)),
                        out_specs=(rows, rows, P()), check_vma=False)(
-                           S, r, dX, t, lse, xd, *init)
+                           S, r, dX, t, lse, xd, *extra)
