@@ -287,8 +287,7 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
   partials, partial_r = [None] * len(params), [None] * len(params)
   xs, lses, vjps, us = [], [], [], []
   partial = None
-  group = None     # (first site, len(done) then, outputs, log-sum-exps[,
-                   # the last site's apart])
+  group = None     # (first site, len(done) then, outputs, log-sum-exps)
   # Groups routed on tensor cores read the finished sources from one buffer
   # (rows in ``done``'s order), filled in place as they appear; it is what
   # the backward gets (the list's arrays then die as the forward moves on).
@@ -327,19 +326,11 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
       else:
         first = _sites(live, t[j:group_end[j]], live_r, plan)
       group = (j, len(live), *first)
-      if group_end[j] == len(params) + 1:
-        # The last site's first phase apart (the site after the last
-        # sublayer): the group's [G, ..., D] result then dies at the
-        # sublayer before it, not as the loss begins (the step's peak).
-        tail = jax.lax.optimization_barrier((first[0][-1:], first[1][-1:]))
-        group = (*group, tail)
-    a, n_old, outs, glse, *tail = group
+    a, n_old, outs, glse = group
     if len(live) == n_old:           # the group's first site: phase 1 is all
       # Its own arrays: a slice that XLA fuses into each reader (including
       # the backward's) would keep the whole [G, ..., D] result alive.
       return jax.lax.optimization_barrier((outs[j - a], glse[j - a]))
-    if tail and j == len(params):
-      outs, glse, a = *tail[0], j
     return _continue(outs, glse, j - a, live[n_old:], t[j], live_r[n_old:],
                      plan)
 
