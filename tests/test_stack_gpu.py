@@ -242,8 +242,9 @@ def test_group_kernels_split_cotangents(dtype, d, heads, gv, m1, m2):
   recomputed sources, and with blocks): G sources' share of both, the second
   call continuing the first's (acc, coef) in place, a source's gradient from
   one buffer's rows and from both (the upper's sums, ``partial``, continued
-  by the lower's), against the jnp references on one whole buffer; outputs
-  poisoned first."""
+  by the lower's), against the jnp references on one whole buffer; the share
+  also written into the first rows of a longer buffer (``into``), its other
+  rows kept; outputs poisoned first."""
   from mhar_jax.kernels import reference, stack, triton_route, triton_stack
   n_tok, j = 1000, 3
   rows = j + m1 + m2
@@ -281,14 +282,26 @@ def test_group_kernels_split_cotangents(dtype, d, heads, gv, m1, m2):
                                         partial=True)
     both = triton_stack.source_grad_local(S[0], r[0], lower, t, lse, xd, j,
                                           heads, m1, init=up[:2], dx_row=1)
+    # the share into the first rows of a longer buffer, its last row kept
+    into = jnp.full((gv + 1, n_tok, d), 7.0, dtype)
+    a2 = triton_stack.sources_partial_local(S, 0, gv, r, lower, t, lse, xd,
+                                            j, m1, heads, dx_row=1, into=into)
+    b2 = triton_stack.sources_partial_local(S, 0, gv, r, upper, t, lse, xd,
+                                            j + m1, m2, heads, init=a2[:2],
+                                            dx_row=0)
     return ((b[0], b[1], jnp.concatenate([a[2], b[2]])), ds,
-            (both[0], jnp.concatenate([both[1], up[2]])))
+            (both[0], jnp.concatenate([both[1], up[2]])), (b2[0], b[0]))
 
   with triton_route.poison_outputs():
-    got, ds, both = jax.jit(split)(S, r, lower, upper, t, lse, xd)
+    got, ds, both, (merged, alone) = jax.jit(split)(S, r, lower, upper, t,
+                                                    lse, xd)
   for a, b in [*zip(got, want), *zip(ds, want_ds), *zip(both, want_both)]:
     assert a.shape == b.shape
     assert rel(a, b) <= TOL[dtype], rel(a, b)
+  assert merged.shape == (gv + 1, n_tok, d)
+  np.testing.assert_array_equal(np.asarray(merged[gv], np.float32), 7.0)
+  np.testing.assert_array_equal(np.asarray(merged[:gv], np.float32),
+                                np.asarray(alone, np.float32))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
