@@ -125,9 +125,15 @@ def heap_report(assignment: str, live_range: str, min_hole: int = 1 << 26
 
 def op_names(hlo: str) -> dict:
   """Instruction name -> the JAX operation that made it (``op_name``), from
-  an optimized module's text."""
-  return {m.group(1): m.group(2) for m in re.finditer(
-      r'^\s*(?:ROOT )?%([^\s=]+) = .*?op_name="([^"]*)"', hlo, re.M)}
+  an optimized module's text (:func:`hlo_copies.parse`)."""
+  import hlo_copies   # this directory, as throughput
+  out = {}
+  for insts in hlo_copies.parse(hlo).values():
+    for name, _, _, rest in insts:
+      m = re.search(r'op_name="([^"]*)"', rest)
+      if m:
+        out[name] = m.group(1)
+  return out
 
 
 def rematerialized(hlo: str) -> int:
