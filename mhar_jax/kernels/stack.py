@@ -540,7 +540,7 @@ def _stack_bwd(fns, plan, res, g):
   groups = ([(max(0, b - plan.site_group), b)
              for b in range(n + 1, 0, -plan.site_group)] if grouped else [])
   group_of = {i: (a, b) for a, b in groups if b <= n for i in range(a, b)}
-  share = None                   # (a, acc, coef) of the last group
+  share = None   # the last group's (a, acc, coef, its sources' rows, first row)
 
   # The sites' cotangents, filled from the top. With the sources saved as a
   # buffer (rows 0 .. n and a spare one), site k's goes to row k + 1 of that
@@ -684,10 +684,10 @@ def _stack_bwd(fns, plan, res, g):
           cots[a] = (part[0] if plan.impl == "triton"
                      else cots[a].at[:b - a].set(part[0]))
         share = (a, *part, rows, a0)
-      *init, rows, a0 = share[1:]
+      _, acc, coef, rows, a0 = share
       if merged:       # the buffer as it is now: later rows not yet written
-        init[0] = cots[a]
-      init, init_row, m = tuple(init), i - a, b - i   # rows of the share
+        acc = cots[a]
+      init, init_row, m = (acc, coef), i - a, b - i   # rows of the share
       if s_row is None:   # the stacked rows, so the arrays die once stacked
         s, s_row = rows, a0 + i - a
     if not plan.use_buffers:
