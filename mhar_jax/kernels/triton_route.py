@@ -1499,10 +1499,6 @@ class _Cfg:
   def c(self):
     return self.d // self.h
 
-  @property
-  def hp(self):
-    return _pow2(self.h)
-
   def meta(self, bn):
     return dict(tile_meta(self.d, self.h), BN=bn, EPS=float(self.eps))
 
