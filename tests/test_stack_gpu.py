@@ -244,7 +244,8 @@ def test_group_kernels_split_cotangents(dtype, d, heads, gv, m1, m2):
   one buffer's rows and from both (the upper's sums, ``partial``, continued
   by the lower's), against the jnp references on one whole buffer; the share
   also written into the first rows of a longer buffer (``into``), its other
-  rows kept; outputs poisoned first."""
+  rows kept; and both buffers read by one launch of the share's kernel
+  where the second starts a whole site block; outputs poisoned first."""
   from mhar_jax.kernels import reference, stack, triton_route, triton_stack
   n_tok, j = 1000, 3
   rows = j + m1 + m2
@@ -289,13 +290,19 @@ def test_group_kernels_split_cotangents(dtype, d, heads, gv, m1, m2):
     b2 = triton_stack.sources_partial_local(S, 0, gv, r, upper, t, lse, xd,
                                             j + m1, m2, heads, init=a2[:2],
                                             dx_row=0)
+    # both buffers read by one launch (the upper starts a whole site block)
+    one = (triton_stack.sources_partial_local(
+        S, 0, gv, r, [(lower, 1, m1), (upper, 0, m2)], t, lse, xd, j,
+        m1 + m2, heads) if m1 % triton_stack.SOURCES_TUNING["site_block"] == 0
+        else ())
     return ((b[0], b[1], jnp.concatenate([a[2], b[2]])), ds,
-            (both[0], jnp.concatenate([both[1], up[2]])), (b2[0], b[0]))
+            (both[0], jnp.concatenate([both[1], up[2]])), (b2[0], b[0]), one)
 
   with triton_route.poison_outputs():
-    got, ds, both, (merged, alone) = jax.jit(split)(S, r, lower, upper, t,
-                                                    lse, xd)
-  for a, b in [*zip(got, want), *zip(ds, want_ds), *zip(both, want_both)]:
+    got, ds, both, (merged, alone), one = jax.jit(split)(
+        S, r, lower, upper, t, lse, xd)
+  for a, b in [*zip(got, want), *zip(ds, want_ds), *zip(both, want_both),
+               *zip(one, want)]:
     assert a.shape == b.shape
     assert rel(a, b) <= TOL[dtype], rel(a, b)
   assert merged.shape == (gv + 1, n_tok, d)

@@ -219,6 +219,58 @@ def test_cotangents_split_over_buffers(kernel_module, n_tok, d, h, gv, m1,
                                atol=1e-5 * float(jnp.abs(dt_ref).max()))
 
 
+@pytest.mark.parametrize("n_tok,d,h,gv,counts,mb,into", [
+    (5, 320, 2, 3, (4, 4, 4, 3), 4, False),  # C = 128 + 32; four buffers
+    (3, 64, 4, 16, (16, 5), 16, True),       # two, the last ragged; into
+    (4, 64, 4, 2, (8, 8, 8), 8, False)])     # three whole blocks: unmasked
+def test_sources_partial_reads_several_buffers(kernel_module, n_tok, d, h,
+                                               gv, counts, mb, into):
+  """One ``sources_kernel`` launch reading the sites' cotangents from up to
+  four buffers (``dX`` as pieces ``(buffer, first row, sites)``, each at its
+  own row offset) against the reference on one whole-stack buffer; pieces
+  that would split a site block are refused before any launch."""
+  ts = kernel_module
+  rng = np.random.default_rng(sum(counts))
+  m, j = sum(counts), 2
+  S = rng.normal(size=(gv, n_tok, d)).astype(np.float32)
+  r, dX, t, lse, xd = _site_buffers(rng, S, h, j + m)
+  S, r = jnp.asarray(S), jnp.asarray(r)
+  pieces, lo = [], j
+  for p, k in enumerate(counts):      # piece p: p spare rows, then its sites
+    pieces.append((jnp.concatenate([dX[:p], dX[lo:lo + k]]), p, k))
+    lo += k
+  want = stack.sources_partial(S, r, dX, t, lse, xd, j, m, h)
+  buf = jnp.full((gv + 1, n_tok, d), 7.0, jnp.float32) if into else None
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(ts.tr, "_launch", interpreted_launch)
+    mp.setitem(ts.SOURCES_TUNING, "site_block", mb)
+    got = ts.sources_partial_local(S, 0, gv, r, pieces, t, lse, xd, j, m, h,
+                                   into=buf)
+    with pytest.raises(ValueError, match="multiple of"):
+      ts.sources_partial_local(S, 0, gv, r, [(dX, j, 1), (dX, j + 1, m - 1)],
+                               t, lse, xd, j, m, h)
+  if into:
+    np.testing.assert_array_equal(got[0][gv], 7.0)
+    got = (got[0][:gv], *got[1:])
+  for x, y in zip(got, want):
+    assert x.shape == y.shape
+    np.testing.assert_allclose(x, y, rtol=0,
+                               atol=1e-5 * float(jnp.abs(y).max()))
+
+
+def test_mergeable_pieces(kernel_module, monkeypatch):
+  """Cotangent spans cut into launches: at most ``max_buffers`` a launch,
+  a span joining only where it starts a whole site block into its launch."""
+  ts = kernel_module
+  monkeypatch.setitem(ts.SOURCES_TUNING, "site_block", 16)
+  assert ts.mergeable_pieces([16, 16, 16, 16, 16]) == [4, 1]
+  assert ts.mergeable_pieces([9]) == [1]
+  assert ts.mergeable_pieces([16, 9, 16]) == [2, 1]
+  assert ts.mergeable_pieces([8, 16, 16]) == [1, 2]
+  monkeypatch.setitem(ts.SOURCES_TUNING, "max_buffers", 1)
+  assert ts.mergeable_pieces([16, 16, 16]) == [1, 1, 1]
+
+
 def _sublayer(j, p, x, consts):
   return jnp.tanh(x @ p["w"] + p["b"]) * (1.0 + 0.1 * j)
 
@@ -343,9 +395,11 @@ def test_sites_supported(kernel_module):
   assert not ok(1280, 8, 0) and not ok(1280, 8, 65)
 
 
-@pytest.mark.parametrize("project,blocks", [
-    (None, None), (_project, None), (None, (0, 0, 0, 1, 1, 2, 2, 2, 2))])
-def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks):
+@pytest.mark.parametrize("project,blocks,site_block", [
+    (None, None, 16), (_project, None, 16), (_project, None, 4),
+    (None, (0, 0, 0, 1, 1, 2, 2, 2, 2), 16)])
+def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
+                                site_block):
   """``routed_stack``'s Triton path with groups of sites and of sources under
   a (data=4, model=2) mesh of CPU devices: every kernel wrapper's shard_map
   specs, reshapes and ``dt`` psums, with the local kernels replaced by the
@@ -353,7 +407,8 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks):
   sources are saved), against the jnp path without a mesh (with
   ``project``: the backward's groups of recomputed sources; with
   ``blocks``: block sums summing their shares over each block's span of
-  cotangents)."""
+  cotangents; ``site_block`` 4: a group's share of the spans above it in
+  one launch)."""
   from mhar_jax.parallel import make_mesh
   ts = kernel_module
   tr = ts.tr
@@ -375,9 +430,17 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks):
     if buf is not None:     # the share in the first rows of a bigger buffer
       calls.append(("into", buf.shape[0] - gv))
       init = None if init is None else (init[0][:gv], init[1])
-    acc, coef, dt = stack.sources_partial(S[i0:i0 + gv], r, dX, t, lse, xd,
-                                          j, m, h, init, dx_row)
-    return (acc if buf is None else buf.at[:gv].set(acc)), coef, dt
+    pieces = ts.cotangent_pieces(dX, m, j if dx_row is None else dx_row)
+    calls.append(("pieces", len(pieces)))
+    dts = []
+    for dx, row, k in pieces:        # the pieces' shares in turn
+      init = stack.sources_partial(S[i0:i0 + gv], r, dx, t, lse, xd, j, k, h,
+                                   init, row)
+      j, dts = j + k, dts + [init[2]]
+      init = init[:2]
+    acc, coef = init
+    return (acc if buf is None else buf.at[:gv].set(acc)), coef, \
+        jnp.concatenate(dts)
 
   def source_grad_local(s, r, dX, t, lse, xd, i, heads, m=None, init=None,
                         dx_row=None, partial=False, s_row=None,
@@ -399,6 +462,7 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks):
   monkeypatch.setattr(ts, "sources_partial_local", sources_partial_local)
   monkeypatch.setattr(ts, "source_grad_local", source_grad_local)
   monkeypatch.setitem(ts.SITES_TUNING, "min_sites", 2)
+  monkeypatch.setitem(ts.SOURCES_TUNING, "site_block", site_block)
   rng = np.random.default_rng(5)
   x0 = jnp.asarray(rng.normal(size=(8, 3, d)), jnp.float32)
   params = tuple({"w": jnp.asarray(rng.normal(size=(d, d)) / 8, jnp.float32),
@@ -420,12 +484,18 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks):
   partials = calls.count("source")
   rows = [c[1:] for c in calls if c[0] == "rows"]
   into = [c[1] for c in calls if c[0] == "into"]
-  calls = [c for c in calls if c != "source" and c[0] not in ("rows", "into")]
+  pieces = [c[1] for c in calls if c[0] == "pieces"]
+  calls = [c for c in calls
+           if c != "source" and c[0] not in ("rows", "into", "pieces")]
+  merged = bool(project) and site_block == 4
   if blocks is None:
     # forward groups (0, 3), (3, 7), (7, 10); backward groups [2, 6), [0, 2)
     # under [6, 10); recomputed sources: each group's cotangents apart, so
-    # [0, 2) takes its share of [2, 6) and [6, 10) in two calls
-    assert calls == ["sites"] * 3 + ["sources"] * (2 + bool(project)), calls
+    # [0, 2) takes its share of [2, 6) and [6, 10) in two calls, or in one
+    # reading both buffers where [6, 10) starts a whole site block later
+    assert calls == (["sites"] * 3
+                     + ["sources"] * (2 + bool(project) - merged)), calls
+    assert pieces == ([1, 2] if merged else [1] * len(pieces)), pieces
     assert partials == 0
     # the saved sources' buffer: every source a row of it, and every share
     # of a group below the top a row of that group's sums (sources 0 .. 5);
@@ -435,7 +505,8 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks):
     # recomputed: each group below the top takes its share into its
     # cotangent buffer, one row more than the group ([2, 6) once; [0, 2)
     # in two calls, the second continuing the first)
-    assert into == ([1, 1, 1] if project else []), into
+    assert into == ([1, 1] if merged else [1, 1, 1] if project else []), \
+        into
   else:   # spans of sites [0, 3), [3, 5), [5, 9), [9]: s_0 continues 3
     assert calls == [] and partials == 3 + 2 + 1, calls
   want = run(stack._Plan(h, 1e-6, "reference", blocks=blk))

@@ -58,7 +58,8 @@ BF16 = {"fwd": SLOTS("s") | {"out_ptr", "i_out"},
         "bwd": SLOTS("s") | SLOTS("ds") | SLOTS("i") | {"g_ptr"},
         "source_grad": {"s_ptr", "dx_ptr", "ds_ptr"}}
 SCALARS = {"N", "I0", "NTILES", "I", "M", "S", "GV", "J0", "IX", "IS", "IA",
-           "JX", "K", "SK", "SM", "SH", "KC", "ROW", "MP"}
+           "JX", "K", "SK", "SM", "SH", "KC", "ROW", "MP", "JX1", "JX2", "JX3",
+           "K1", "K2", "K3"}
 
 
 def compile_kernel(fn, bf16, constexprs, warps):
@@ -152,6 +153,7 @@ def main(argv=None):
                   default="fwd,fwd_r,cpass,cpass_r,bwd,bwd_r,source_grad",
                   help="of fwd, fwd_r, cpass, cpass_r, bwd, bwd_r, "
                   "source_grad, source_grad_init, sites, sources, "
+                  "sources_4buffers, "
                   "query_gain_grad")
   ap.add_argument("--source_grad_tuning", default="",
                   help="JSON dict merged into triton_stack.TUNING")
@@ -223,11 +225,13 @@ def main(argv=None):
       BT=tu["tokens_per_program"], STAGES=tu["stages"], LOWP=True,
       EVEN_S=a.even_sites))
   tu = ts.SOURCES_TUNING
-  runs["sources"] = (ts.sources_kernel, {"s_ptr", "dx_ptr", "acc_ptr", "t_ptr",
-                                            "tlo_ptr"}, dict(
-      tr.tile_meta(a.d, a.h), G=16, MB=tu["site_block"],
-      BT=tu["tokens_per_program"], STAGES=tu["stages"], LOWP=True,
-      EVEN_M=a.even_sites, INIT=True))
+  for name, nx in (("sources", 1), ("sources_4buffers", 4)):
+    runs[name] = (ts.sources_kernel, {"s_ptr", "dx_ptr", "dx1_ptr", "dx2_ptr",
+                                      "dx3_ptr", "acc_ptr", "t_ptr",
+                                      "tlo_ptr"}, dict(
+        tr.tile_meta(a.d, a.h), G=16, MB=tu["site_block"],
+        BT=tu["tokens_per_program"], STAGES=tu["stages"], LOWP=True,
+        EVEN_M=a.even_sites, INIT=True, NX=nx))
   print(f"triton {triton.__version__}, sm_90, D={a.d} H={a.h} "
         f"NSRC={a.nsrc} PF={a.pf} warps={a.warps} BN={bn}", flush=True)
   rows = []
@@ -237,6 +241,7 @@ def main(argv=None):
              "source_grad_init": ts.TUNING["warps"],
              "sites": ts.SITES_TUNING["warps"],
              "sources": ts.SOURCES_TUNING["warps"],
+             "sources_4buffers": ts.SOURCES_TUNING["warps"],
              "query_gain_grad": qgrad_warps}.get(name, a.warps)
     cons = {k: v for k, v in cons.items() if k in fn.arg_names}
     if a.ones:

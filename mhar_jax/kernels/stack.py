@@ -668,13 +668,24 @@ def _stack_bwd(fns, plan, res, g):
                     (jnp.stack([source(k) for k in range(a, b)]), 0))
         r_ab = jnp.stack(done_r[a:b])
         part = None
-        for buf, lo, rows_m, row in cotangents(b, n + 1):
+        spans_above = cotangents(b, n + 1)
+        if plan.impl == "triton":   # one launch reads consecutive spans'
+          spans_above.sort(key=lambda span: span[1])    # buffers, sites up
+          runs = triton_stack.mergeable_pieces(
+              [k for *_, k, _ in spans_above])
+        else:
+          runs = [1] * len(spans_above)
+        for run in runs:
+          run, spans_above = spans_above[:run], spans_above[run:]
+          lo, rows_m = run[0][1], sum(k for *_, k, _ in run)
           if plan.impl == "triton":
             part = triton_stack.sources_partial(
-                rows, a0, b - a, r_ab, buf, rows_t, lse, xd, lo + off, rows_m,
-                h, plan.mesh, plan.batch_axes, init=part, dx_row=row,
+                rows, a0, b - a, r_ab,
+                [(buf, row, k) for buf, _, k, row in run], rows_t, lse, xd,
+                lo + off, rows_m, h, plan.mesh, plan.batch_axes, init=part,
                 into=cots[a] if merged and part is None else None)
           else:
+            (buf, _, _, row), = run
             part = sources_partial(rows[a0:a0 + b - a], r_ab, buf, rows_t,
                                    lse, xd, lo + off, rows_m, h, init=part,
                                    dx_row=row)

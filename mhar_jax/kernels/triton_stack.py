@@ -40,6 +40,8 @@ against the reference with Triton's interpreter on CPU
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import triton
@@ -747,8 +749,11 @@ def sites(x, r, s: int, t, h: int, mesh=None, batch_axes=()):
 # (one H100, benchmarks/source_grad.py --group 16 --m 16, one block a token):
 # one loop over (token, block) pairs took 0.74x the time of a loop per token
 # (since removed; 2 warps: 0.74x, a loop per token at 2 warps 0.79x).
+# ``max_buffers``: how many cotangent buffers one launch reads (1 to 4; with
+# recomputed sources a group's sites above lie in one buffer per group, and
+# each launch more reads the group's sources and sums again).
 SOURCES_TUNING: dict = {"tokens_per_program": 16, "warps": 4, "stages": 3,
-                        "site_block": 16}
+                        "site_block": 16, "max_buffers": 4}
 
 
 @triton.jit
@@ -866,22 +871,26 @@ def _sources_store(acc_ptr, coef_ptr, aoff, coff, mask, ca, cb, cbm, coef,
 
 
 @triton.jit
-def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
-                   acc_in, coef_in, acc_init, coef_init, dlr_init, I0, GV, J0,
-                   JX, M, MP, N, acc_ptr, coef_ptr, dlr_ptr,
+def sources_kernel(s_ptr, r_ptr, dx_ptr, dx1_ptr, dx2_ptr, dx3_ptr, t_ptr,
+                   tlo_ptr, lse_ptr, xd_ptr, acc_in, coef_in, acc_init,
+                   coef_init, dlr_init, I0, GV, J0, JX, JX1, JX2, JX3, K1, K2,
+                   K3, M, MP, N, acc_ptr, coef_ptr, dlr_ptr,
                    D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                    CA: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
                    MB: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
                    LOWP: tl.constexpr, EVEN_M: tl.constexpr,
-                   INIT: tl.constexpr):
+                   INIT: tl.constexpr, NX: tl.constexpr):
   """BT tokens of head ``program_id(1)``: the share of the sites ``J0 ..
   J0+M-1`` in the gradients of the GV sources in rows ``I0 .. I0+GV-1``.
 
   ``s_ptr [R, N, D]`` (a source buffer), ``r_ptr [GV, N]`` fp32 the sources'
   inverse RMS; whole-stack ``t_ptr [R', D]`` the sites' query * gain (LOWP:
   its high part in the sources' dtype, ``tlo_ptr`` the rest; else fp32,
-  ``tlo_ptr`` unused), ``lse_ptr``/``xd_ptr [R', N, H]`` fp32; ``dx_ptr
-  [R'', N, D]`` the site cotangents, site ``J0 + k`` in row ``JX + k``.
+  ``tlo_ptr`` unused), ``lse_ptr``/``xd_ptr [R', N, H]`` fp32; the site
+  cotangents in NX (1 to 4) buffers ``[R'', N, D]``, ``dx_ptr``,
+  ``dx1_ptr``, ...: site ``J0 + k`` for ``Kp <= k < K(p+1)`` in buffer p,
+  row ``JXp + k - Kp`` (``K0 = 0``, ``JX0 = JX``; each ``Kp`` a multiple of
+  MB; the pointers and scalars of buffers past NX are placeholders).
   Outputs ``acc_ptr [GV, N, D]`` (sources' dtype), ``coef_ptr [GV, N, H]``
   fp32 and ``dlr_ptr [GV, N, H, MP]`` fp32 (``dlogit * r`` of every pair,
   for the query-gain gradient, sites padded with zeros to MP, M rounded up to
@@ -940,10 +949,22 @@ def sources_kernel(s_ptr, r_ptr, dx_ptr, t_ptr, tlo_ptr, lse_ptr, xd_ptr,
     acca = tl.where(fresh, 0.0, acca)
     accb = tl.where(fresh, 0.0, accb)
     ok = tl.where(nn < N, gm, False)      # rows of a token that exists
+    dxp, xoff = dx_ptr, xoff0 + n * D + k0 * nd   # the block's cotangents
+    if NX > 1:                  # in buffer p: rows moved by JXp - Kp - JX
+      shift = tl.zeros((), tl.int64)
+      if k0 >= K1:
+        dxp, shift = dx1_ptr, (JX1 - K1 - JX).to(tl.int64)
+      if NX > 2:
+        if k0 >= K2:
+          dxp, shift = dx2_ptr, (JX2 - K2 - JX).to(tl.int64)
+      if NX > 3:
+        if k0 >= K3:
+          dxp, shift = dx3_ptr, (JX3 - K3 - JX).to(tl.int64)
+      xoff += shift * nd
     coef, acca, accb = _sources_block(
-        t_ptr, tlo_ptr, dx_ptr, lse_ptr, xd_ptr,
-        dlr_ptr + (n * H + h) * MP, toff0 + k0 * D,
-        xoff0 + n * D + k0 * nd, loff0 + n * H + k0 * nh, doff0 + k0,
+        t_ptr, tlo_ptr, dxp, lse_ptr, xd_ptr,
+        dlr_ptr + (n * H + h) * MP, toff0 + k0 * D, xoff,
+        loff0 + n * H + k0 * nh, doff0 + k0,
         k0 + kb < M, ok[:, None] & (kb < MB)[None, :], sa, sb, rg, ca,
         cb, cbm, coef, acca, accb, CA, CB, LOWP, EVEN_M, FULL_B)
     if k0 + MB >= M:
@@ -960,6 +981,43 @@ def sources_dlr_sites(m: int) -> int:
   return triton.cdiv(m, mb) * mb
 
 
+def cotangent_pieces(dX, m: int, dx_row: int):
+  """``dX`` as ``sources_partial_local`` takes it: an array holding ``m``
+  sites from row ``dx_row``, or a sequence of pieces ``(buffer, first row,
+  sites)``. Returns the pieces, checked: at most 4, together ``m`` sites, each
+  after the first starting at a multiple of ``SOURCES_TUNING["site_block"]``
+  sites."""
+  if not isinstance(dX, (list, tuple)):
+    return [(dX, int(dx_row), int(m))]
+  pieces = [(b, int(row), int(k)) for b, row, k in dX]
+  counts = [k for _, _, k in pieces]
+  mb = int(SOURCES_TUNING["site_block"])
+  if not 1 <= len(pieces) <= 4 or sum(counts) != m or any(
+      k % mb for k in itertools.accumulate(counts[:-1])):
+    raise ValueError(
+        f"sources_partial_local: pieces of {[k for _, _, k in pieces]} sites"
+        f" for {m} sites; at most 4, each after the first starting at a"
+        f" multiple of {SOURCES_TUNING['site_block']} sites")
+  return pieces
+
+
+def mergeable_pieces(sites):
+  """``sites`` (site counts of consecutive cotangent buffers) cut into runs
+  that one :func:`sources_kernel` launch reads: at most 4 buffers a launch,
+  each after a run's first starting at a multiple of the site block (a block
+  of sites lies in one buffer). Returns the runs' lengths in pieces."""
+  mb, runs, k = int(SOURCES_TUNING["site_block"]), [], 0
+  limit = max(1, int(SOURCES_TUNING["max_buffers"]))
+  for count in sites:
+    if runs and runs[-1] < limit and k % mb == 0:
+      runs[-1] += 1
+    else:
+      runs.append(1)
+      k = 0
+    k += count
+  return runs
+
+
 def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
                           m: int, h: int, init=None, dx_row: int | None = None,
                           into=None):
@@ -967,8 +1025,10 @@ def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
   in rows ``i0 .. i0+gv-1`` of a buffer, local arrays.
 
   ``S [R, N, D]``, ``r [gv, N]``; ``t``, ``lse``, ``xd`` as in
-  :func:`source_grad_local`, ``dX`` holding the sites' cotangents from row
-  ``dx_row`` (default ``j``). ``init``: None, or ``(acc, coef)`` as returned
+  :func:`source_grad_local`. ``dX``: the sites' cotangents, ``[R'', N, D]``
+  holding them from row ``dx_row`` (default ``j``), or pieces ``(buffer
+  [R'', N, D], first row, sites)`` holding them in turn (see
+  :func:`cotangent_pieces`). ``init``: None, or ``(acc, coef)`` as returned
   here for other sites, which this continues (updated in place). ``into``
   (``init`` None): None, or a buffer ``[R' >= gv, N, D]`` whose rows ``0 ..
   gv-1`` receive ``acc``, the others kept (updated in place). Returns
@@ -979,6 +1039,14 @@ def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
   _, n, d = S.shape
   mb = int(SOURCES_TUNING["site_block"])
   mp = sources_dlr_sites(m)
+  pieces = cotangent_pieces(dX, m, j if dx_row is None else dx_row)
+  bufs = [b for b, _, _ in pieces]
+  rows = [row for _, row, _ in pieces]
+  starts = list(itertools.accumulate([k for _, _, k in pieces[:-1]],
+                                     initial=0))
+  pad = 4 - len(pieces)                # placeholders: the first buffer
+  bufs, rows, starts = (bufs + bufs[:1] * pad, rows + [0] * pad,
+                        starts[1:] + [0] * pad)
   t = t.astype(jnp.float32)
   if S.dtype != jnp.float32:          # the queries as two terms, split once
     t, t_lo = t.astype(S.dtype), (t - t.astype(S.dtype)).astype(S.dtype)
@@ -987,19 +1055,18 @@ def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
   if init is not None and into is not None:
     raise ValueError("sources_partial_local: init and into are exclusive")
   acc_in, coef_in = (S, r) if init is None else init   # unused when not INIT
-  carry = {0: 7, 1: 8} if init is not None else None
+  carry = {0: 10, 1: 11} if init is not None else None
   if into is not None:            # rows written, not added to: INIT off
-    acc_in, carry = into, {0: 7}
+    acc_in, carry = into, {0: 10}
   acc, coef, dlr = _group_launch(
       "sources_partial_local", sources_kernel, SOURCES_TUNING,
-      [S, r.astype(jnp.float32), dX, t, t_lo, lse, xd, acc_in, coef_in],
-      [int(i0), gv, int(j), int(j if dx_row is None else dx_row), int(m), mp,
-       n],
+      [S, r.astype(jnp.float32), *bufs, t, t_lo, lse, xd, acc_in, coef_in],
+      [int(i0), gv, int(j), *rows, *starts, int(m), mp, n],
       [jax.ShapeDtypeStruct(acc_in.shape if carry else (gv, n, d), S.dtype),
        jax.ShapeDtypeStruct((gv, n, h), jnp.float32),
        jax.ShapeDtypeStruct((gv, n, h, mp), jnp.float32)],
       S.dtype, n, d, h, gv, carry=carry,
-      MB=mb, EVEN_M=m % mb == 0, INIT=init is not None)
+      MB=mb, EVEN_M=m % mb == 0, INIT=init is not None, NX=len(pieces))
   c = d // h
   if qgrad_supported(c):                  # the buffer's rows read in place
     dt = query_gain_grad(dlr, (h * mp, 1, mp), S, i0, gv * n, m, h)
@@ -1014,34 +1081,39 @@ def sources_partial(S, i0: int, gv: int, r, dX, t, lse, xd, j: int, m: int,
                     h: int, mesh=None, batch_axes=(), init=None,
                     dx_row: int | None = None, into=None):
   """:func:`sources_partial_local` on ``S [R, tokens..., D]``, ``r [gv,
-  tokens...]`` and ``[R', tokens..., *]`` buffers (``init``: None or ``(acc
-  [gv or R'', tokens..., D], coef [gv, tokens..., H])``; ``into``: None or
-  ``[R'', tokens..., D]``), under ``shard_map`` over the batch axes of
-  ``mesh`` when given (``dt`` psummed). Returns ``(acc [gv or R'',
-  tokens..., D], coef [gv, tokens..., H], dt [m, D])``."""
+  tokens...]`` and ``[R', tokens..., *]`` buffers (``dX`` one, or pieces as
+  there; ``init``: None or ``(acc [gv or R'', tokens..., D], coef [gv,
+  tokens..., H])``; ``into``: None or ``[R'', tokens..., D]``), under
+  ``shard_map`` over the batch axes of ``mesh`` when given (``dt`` psummed).
+  Returns ``(acc [gv or R'', tokens..., D], coef [gv, tokens..., H], dt [m,
+  D])``."""
   from jax.sharding import PartitionSpec as P
   lead = S.shape[1:-1]
+  pieces = cotangent_pieces(dX, m, j if dx_row is None else dx_row)
+  bufs = tuple(b for b, _, _ in pieces)
+  extra = (into,) if into is not None else (
+      () if init is None else tuple(init))
 
-  def local(S, r, dX, t, lse, xd, *extra):
+  def local(S, r, t, lse, xd, *arrays):
     loc = S.shape[1:-1]
     flat = lambda x: x.reshape(x.shape[0], -1, x.shape[-1])  # noqa: E731
-    extra = tuple(flat(x) for x in extra)
+    arrays = [flat(x) for x in arrays]
+    bufs, extra = arrays[:len(pieces)], arrays[len(pieces):]
     acc, coef, dt = sources_partial_local(
-        flat(S), i0, gv, r.reshape(gv, -1), flat(dX), t, flat(lse), flat(xd),
-        j, m, h, None if into is not None else (extra or None), dx_row,
-        extra[0] if into is not None else None)
+        flat(S), i0, gv, r.reshape(gv, -1),
+        [(b, row, k) for b, (_, row, k) in zip(bufs, pieces)], t, flat(lse),
+        flat(xd), j, m, h, None if into is not None else (extra or None),
+        None, extra[0] if into is not None else None)
     if mesh is not None and batch_axes:
       dt = jax.lax.psum(dt, batch_axes)
     return (acc.reshape(acc.shape[0], *loc, S.shape[-1]),
             coef.reshape(gv, *loc, h), dt)
 
-  extra = (into,) if into is not None else (
-      () if init is None else tuple(init))
   if mesh is None:
-    return local(S, r, dX, t, lse, xd, *extra)
+    return local(S, r, t, lse, xd, *bufs, *extra)
   _, _, rows, rows_r = _specs(batch_axes, len(lead))
   return jax.shard_map(local, mesh=mesh,
-                       in_specs=(rows, rows_r, rows, P(), rows, rows,
-                                 *(rows for _ in extra)),
+                       in_specs=(rows, rows_r, P(), rows, rows,
+                                 *(rows for _ in bufs + extra)),
                        out_specs=(rows, rows, P()), check_vma=False)(
-                           S, r, dX, t, lse, xd, *extra)
+                           S, r, t, lse, xd, *bufs, *extra)
