@@ -263,6 +263,7 @@ def test_mergeable_pieces(kernel_module, monkeypatch):
   a span joining only where it starts a whole site block into its launch."""
   ts = kernel_module
   monkeypatch.setitem(ts.SOURCES_TUNING, "site_block", 16)
+  monkeypatch.setitem(ts.SOURCES_TUNING, "max_buffers", 4)
   assert ts.mergeable_pieces([16, 16, 16, 16, 16]) == [4, 1]
   assert ts.mergeable_pieces([9]) == [1]
   assert ts.mergeable_pieces([16, 9, 16]) == [2, 1]
@@ -463,6 +464,7 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
   monkeypatch.setattr(ts, "source_grad_local", source_grad_local)
   monkeypatch.setitem(ts.SITES_TUNING, "min_sites", 2)
   monkeypatch.setitem(ts.SOURCES_TUNING, "site_block", site_block)
+  monkeypatch.setitem(ts.SOURCES_TUNING, "max_buffers", 4)
   rng = np.random.default_rng(5)
   x0 = jnp.asarray(rng.normal(size=(8, 3, d)), jnp.float32)
   params = tuple({"w": jnp.asarray(rng.normal(size=(d, d)) / 8, jnp.float32),

@@ -749,11 +749,15 @@ def sites(x, r, s: int, t, h: int, mesh=None, batch_axes=()):
 # (one H100, benchmarks/source_grad.py --group 16 --m 16, one block a token):
 # one loop over (token, block) pairs took 0.74x the time of a loop per token
 # (since removed; 2 warps: 0.74x, a loop per token at 2 warps 0.79x).
-# ``max_buffers``: how many cotangent buffers one launch reads (1 to 4; with
+# ``max_buffers``: how many cotangent buffers one launch reads (1 to 4). With
 # recomputed sources a group's sites above lie in one buffer per group, and
-# each launch more reads the group's sources and sums again).
+# each launch more reads the group's sources and sums again: 3 more launches
+# at 350m, 6 at 1b (~12 and ~32 GB a step by byte count). Off (1) until timed:
+# XLA's plan of the 1b step with ``recompute_sources='attention'`` lays out
+# the same 66.07 GiB of live temporaries 1.5 GiB worse with 4 (81.39 against
+# 79.85 GiB; RESULTS.md session 24).
 SOURCES_TUNING: dict = {"tokens_per_program": 16, "warps": 4, "stages": 3,
-                        "site_block": 16, "max_buffers": 4}
+                        "site_block": 16, "max_buffers": 1}
 
 
 @triton.jit
