@@ -552,7 +552,9 @@ def _stack_bwd(fns, plan, res, g):
   # cotangent: the cotangents grow as the sublayers' residuals die, instead
   # of one whole-stack buffer made at the backward's start; so too each
   # block's sites with blocks. A source read by sites of several spans sums
-  # their shares in turn, from the top. Otherwise one buffer.
+  # their shares in turn (a group of sources on Triton: up to
+  # ``triton_stack.SOURCES_TUNING["max_buffers"]`` spans a launch, from the
+  # bottom). Otherwise one buffer.
   shared = not isinstance(done, list)
   off = int(shared)
   if grouped and us is not None:
