@@ -225,7 +225,7 @@ def main(argv=None):
       BT=tu["tokens_per_program"], STAGES=tu["stages"], LOWP=True,
       EVEN_S=a.even_sites))
   tu = ts.SOURCES_TUNING
-  for name, nx in (("sources", 1), ("sources_4buffers", 4)):
+  for name, nx in (("sources", 1), ("sources_4buffers", ts.SOURCES_BUFFERS)):
     runs[name] = (ts.sources_kernel, {"s_ptr", "dx_ptr", "dx1_ptr", "dx2_ptr",
                                       "dx3_ptr", "acc_ptr", "t_ptr",
                                       "tlo_ptr"}, dict(

@@ -749,15 +749,17 @@ def sites(x, r, s: int, t, h: int, mesh=None, batch_axes=()):
 # (one H100, benchmarks/source_grad.py --group 16 --m 16, one block a token):
 # one loop over (token, block) pairs took 0.74x the time of a loop per token
 # (since removed; 2 warps: 0.74x, a loop per token at 2 warps 0.79x).
-# ``max_buffers``: how many cotangent buffers one launch reads (1 to 4). With
-# recomputed sources a group's sites above lie in one buffer per group, and
-# each launch more reads the group's sources and sums again: 3 more launches
-# at 350m, 6 at 1b (~12 and ~32 GB a step by byte count). Off (1) until timed:
+# ``max_buffers``: how many cotangent buffers one launch reads (1 to
+# SOURCES_BUFFERS). With recomputed sources a group's sites above lie in one
+# buffer per group, and each launch more reads the group's sources and sums
+# again: 3 more launches at 350m, 6 at 1b (~12 and ~32 GB a step by byte
+# count). Off (1) until timed:
 # XLA's plan of the 1b step with ``recompute_sources='attention'`` lays out
 # the same 66.07 GiB of live temporaries 1.5 GiB worse with 4 (81.39 against
 # 79.85 GiB; RESULTS.md session 24).
 SOURCES_TUNING: dict = {"tokens_per_program": 16, "warps": 4, "stages": 3,
                         "site_block": 16, "max_buffers": 1}
+SOURCES_BUFFERS = 4          # cotangent buffers sources_kernel can read (NX)
 
 
 @triton.jit
@@ -988,30 +990,31 @@ def sources_dlr_sites(m: int) -> int:
 def cotangent_pieces(dX, m: int, dx_row: int):
   """``dX`` as ``sources_partial_local`` takes it: an array holding ``m``
   sites from row ``dx_row``, or a sequence of pieces ``(buffer, first row,
-  sites)``. Returns the pieces, checked: at most 4, together ``m`` sites, each
-  after the first starting at a multiple of ``SOURCES_TUNING["site_block"]``
-  sites."""
+  sites)``. Returns the pieces, checked: at most ``SOURCES_BUFFERS``,
+  together ``m`` sites, each after the first starting at a multiple of
+  ``SOURCES_TUNING["site_block"]`` sites."""
   if not isinstance(dX, (list, tuple)):
     return [(dX, int(dx_row), int(m))]
   pieces = [(b, int(row), int(k)) for b, row, k in dX]
   counts = [k for _, _, k in pieces]
   mb = int(SOURCES_TUNING["site_block"])
-  if not 1 <= len(pieces) <= 4 or sum(counts) != m or any(
+  if not 1 <= len(pieces) <= SOURCES_BUFFERS or sum(counts) != m or any(
       k % mb for k in itertools.accumulate(counts[:-1])):
     raise ValueError(
-        f"sources_partial_local: pieces of {[k for _, _, k in pieces]} sites"
-        f" for {m} sites; at most 4, each after the first starting at a"
-        f" multiple of {SOURCES_TUNING['site_block']} sites")
+        f"sources_partial_local: pieces of {counts} sites for {m} sites; at"
+        f" most {SOURCES_BUFFERS}, each after the first starting at a"
+        f" multiple of {mb} sites")
   return pieces
 
 
 def mergeable_pieces(sites):
   """``sites`` (site counts of consecutive cotangent buffers) cut into runs
-  that one :func:`sources_kernel` launch reads: at most 4 buffers a launch,
+  that one :func:`sources_kernel` launch reads: at most ``max_buffers``
+  (``SOURCES_TUNING``, up to ``SOURCES_BUFFERS``) buffers a launch,
   each after a run's first starting at a multiple of the site block (a block
   of sites lies in one buffer). Returns the runs' lengths in pieces."""
   mb, runs, k = int(SOURCES_TUNING["site_block"]), [], 0
-  limit = max(1, int(SOURCES_TUNING["max_buffers"]))
+  limit = min(max(1, int(SOURCES_TUNING["max_buffers"])), SOURCES_BUFFERS)
   for count in sites:
     if runs and runs[-1] < limit and k % mb == 0:
       runs[-1] += 1
@@ -1048,7 +1051,7 @@ def sources_partial_local(S, i0: int, gv: int, r, dX, t, lse, xd, j: int,
   rows = [row for _, row, _ in pieces]
   starts = list(itertools.accumulate([k for _, _, k in pieces[:-1]],
                                      initial=0))
-  pad = 4 - len(pieces)                # placeholders: the first buffer
+  pad = SOURCES_BUFFERS - len(pieces)  # placeholders: the first buffer
   bufs, rows, starts = (bufs + bufs[:1] * pad, rows + [0] * pad,
                         starts[1:] + [0] * pad)
   t = t.astype(jnp.float32)
