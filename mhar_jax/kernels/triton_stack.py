@@ -753,10 +753,11 @@ def sites(x, r, s: int, t, h: int, mesh=None, batch_axes=()):
 # SOURCES_BUFFERS). With recomputed sources a group's sites above lie in one
 # buffer per group, and each launch more reads the group's sources and sums
 # again: 3 more launches at 350m, 6 at 1b (~12 and ~32 GB a step by byte
-# count). Off (1) until timed:
-# XLA's plan of the 1b step with ``recompute_sources='attention'`` lays out
-# the same 66.07 GiB of live temporaries 1.5 GiB worse with 4 (81.39 against
-# 79.85 GiB; RESULTS.md session 24).
+# count). Off (1): on an H100 at 350m with ``recompute_sources='attention'``
+# 4 saves 2.3 ms of that setting's 9 ms a step for 0.2 GiB more peak
+# (RESULTS.md session 25), and XLA's plan of the 1b step lays out the same
+# 66.07 GiB of live temporaries 1.5 GiB worse with it (81.39 against 79.85
+# GiB; session 24); ``attention`` is chosen to save memory.
 SOURCES_TUNING: dict = {"tokens_per_program": 16, "warps": 4, "stages": 3,
                         "site_block": 16, "max_buffers": 1}
 SOURCES_BUFFERS = 4          # cotangent buffers sources_kernel can read (NX)
