@@ -114,7 +114,8 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
       ``triton_stack.SITES_TUNING["min_sites"]`` sites does its first phase
       on tensor cores (``triton_stack.sites``) over a buffer of the finished
       sources, which the backward then reads instead of the list, taking
-      the sources in groups of G too (``triton_stack.sources_partial``).
+      the sources in groups of G too (``triton_stack.sources_partial``);
+      every group does when that buffer is saved (sources not recomputed).
       Full method only (blocked groups on tensor cores were slower).
       ``None``: :data:`AUTO_SITE_GROUP` where those groups route on tensor
       cores (Triton, the full method, a head width they take), else 0.
@@ -299,6 +300,15 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
            if _tensor_core_group(plan, b - a, h.shape[-1])}
   keep = save and not recompute and plan.full and (
       bool(on_tc) or (plan.use_buffers and plan.site_group >= 2))
+  if keep and plan.impl == "triton":
+    # Saved, the buffer holds every finished source: groups too small to
+    # gain from the tensor-core kernel read their rows there too, for any
+    # group reading the list would keep each source's own array alive until
+    # it runs (350m: the last group, sites 47-48, held 2.9 GiB of them at
+    # the forward's end, the step's peak).
+    from mhar_jax.kernels import triton_stack
+    on_tc |= {a for a, b in group_end.items() if triton_stack.sites_supported(
+        h.shape[-1], plan.num_heads, b - a)}
   # Not saved, it has the rows the last group on tensor cores reads (its
   # first site a reads the a + 1 sources s_0 .. s_a) and dies there.
   buf = None
@@ -313,10 +323,6 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
     if partial is not None:
       live, live_r = live + [partial], live_r + [partial_r[j]]
     if j in group_end:
-      if group_end[j] == j + 1:
-        group = None
-        out, lse = _sites(live, t[j:j + 1], live_r, plan)
-        return out[0], lse[0]
       if j in on_tc and partial is None:      # live is done: buf's rows
         from mhar_jax.kernels import triton_stack
         first = triton_stack.sites(
@@ -325,6 +331,9 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
             plan.num_heads, plan.mesh, plan.batch_axes)
       else:
         first = _sites(live, t[j:group_end[j]], live_r, plan)
+      if group_end[j] == j + 1:
+        group = None
+        return first[0][0], first[1][0]
       group = (j, len(live), *first)
     a, n_old, outs, glse = group
     if len(live) == n_old:           # the group's first site: phase 1 is all
