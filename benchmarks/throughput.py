@@ -20,6 +20,8 @@ to ``prenorm`` of the same preset measured in the same run. XLA's
 rematerialization pass is off unless ``--xla_remat``: with it, XLA recomputes
 values until the program fits a limit derived from the memory pool, so every
 scheme's peak sits near that limit and its time includes the recomputation.
+``--compile_only`` compiles every run into the persistent cache and times none
+(the GPU tests can run beside it; a later call times from the cache).
 ``--profile N`` then traces N more steps with ``jax.profiler`` and prints
 where each run's GPU time goes (kernel time by category and the largest
 kernels, per step; :mod:`kernel_time`); ``--profile_runs`` limits that to
@@ -343,7 +345,10 @@ def main():
                   help="let XLA rematerialize to fit its memory limit (off by"
                   " default: each scheme's own program, its own peak)")
   ap.add_argument("--child", default="", help=argparse.SUPPRESS)
-  ap.add_argument("--compile_only", action="store_true", help=argparse.SUPPRESS)
+  ap.add_argument("--compile_only", action="store_true",
+                  help="compile every run into --cache_dir and time none"
+                  " (e.g. beside the GPU tests; a later call on the same"
+                  " machine then times them from the cache)")
   a = ap.parse_args()
   if a.child:
     preset, scheme = a.child.split("/")
@@ -375,6 +380,11 @@ def main():
         print(f"[{time.time() - start:5.0f}s] {run}: {msg}", flush=True)
     return compile_s[run]
 
+  if a.compile_only:
+    for run in runs:
+      compiled(run)
+    pool.shutdown()
+    return
   concurrent.futures.wait(futures.values(), timeout=a.compile_wait)
   for run in runs:
     if futures[run].done():
