@@ -5,9 +5,10 @@
 # timed alone. Results: $OUT/throughput.json, and the table printed last.
 # To use one device call for compiles and another for timing, compile in the
 # background beside the GPU tests (after `source benchmarks/gpu_env.sh`):
-# `python3 benchmarks/throughput.py --runs
-# "$RUNS" --micro_tokens 32768 --compile_only &`; then, on the same machine
-# (the cache survives while it stays warm), this script times from the cache.
+#   python3 benchmarks/throughput.py --runs "$RUNS" --micro_tokens 32768 \
+#     --compile_only &
+# then, on the same machine (the cache survives while it stays warm), this
+# script times them from the cache.
 set -uo pipefail
 source benchmarks/gpu_env.sh || exit 1
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
