@@ -235,18 +235,19 @@ def _sites(sources, t, r, plan):
   return out.reshape(*out.shape[:-2], -1).astype(sources[0].dtype), lse
 
 
-def _tensor_core_group(plan, g: int, d: int) -> bool:
+def _tensor_core_group(plan, g: int, d: int, any_size: bool = False) -> bool:
   """Whether a group of ``g`` sites routes its first phase on tensor cores
   (``triton_stack.sites``), and a group of ``g`` sources its backward share
   (``triton_stack.sources_partial``): Triton, the full method (a block's
   group on tensor cores was slower, RESULTS.md session 12: a block's 9 sites
-  over at most 9 sources, padded to 16), at least
-  ``SITES_TUNING["min_sites"]`` rows, and a width the kernels take."""
-  if plan.impl != "triton" or not plan.full or g < 2:
+  over at most 9 sources, padded to 16), at least 2 and
+  ``SITES_TUNING["min_sites"]`` rows (``any_size``: any), and a width the
+  kernels take."""
+  if plan.impl != "triton" or not plan.full:
     return False
   from mhar_jax.kernels import triton_stack
-  return (g >= triton_stack.SITES_TUNING["min_sites"]
-          and triton_stack.sites_supported(d, plan.num_heads, g))
+  least = 1 if any_size else max(2, triton_stack.SITES_TUNING["min_sites"])
+  return g >= least and triton_stack.sites_supported(d, plan.num_heads, g)
 
 
 def _continue(outs, lses, k, sources, t_j, r, plan):
@@ -300,15 +301,14 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
            if _tensor_core_group(plan, b - a, h.shape[-1])}
   keep = save and not recompute and plan.full and (
       bool(on_tc) or (plan.use_buffers and plan.site_group >= 2))
-  if keep and plan.impl == "triton":
+  if keep:
     # Saved, the buffer holds every finished source: groups too small to
     # gain from the tensor-core kernel read their rows there too, for any
     # group reading the list would keep each source's own array alive until
     # it runs (350m: the last group, sites 47-48, held 2.9 GiB of them at
     # the forward's end, the step's peak).
-    from mhar_jax.kernels import triton_stack
-    on_tc |= {a for a, b in group_end.items() if triton_stack.sites_supported(
-        h.shape[-1], plan.num_heads, b - a)}
+    on_tc = {a for a, b in group_end.items()
+             if _tensor_core_group(plan, b - a, h.shape[-1], any_size=True)}
   # Not saved, it has the rows the last group on tensor cores reads (its
   # first site a reads the a + 1 sources s_0 .. s_a) and dies there.
   buf = None
