@@ -686,8 +686,8 @@ def _stack_bwd(fns, plan, res, g):
               [k for *_, k, _ in spans_above])
         else:
           runs = [1] * len(spans_above)
-        for run in runs:
-          run, spans_above = spans_above[:run], spans_above[run:]
+        for length in runs:
+          run, spans_above = spans_above[:length], spans_above[length:]
           lo, rows_m = run[0][1], sum(k for *_, k, _ in run)
           if plan.impl == "triton":
             part = triton_stack.sources_partial(
