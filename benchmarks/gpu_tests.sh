@@ -9,6 +9,8 @@
 #   bf16     ... bfloat16
 #   rms      the stack with the forward kernel computing the inverse RMS
 #   decoder  the decoder's source-major backward
+#   outputs  the sites' outputs recomputed (recompute_site_outputs): the
+#            causal sites kernel, the stack with norm (f32, bf16)
 #   route    tests/test_triton_route.py (route() alone)
 # Each part's verbose output goes to $OUT/gpu-tests-PART.txt (so a part cut
 # by its timeout still says which cases passed); its last lines are printed.
@@ -20,14 +22,15 @@ declare -A SEL=(
   [ffi]="ffi_launch" [kernels]="group_kernels or query_gain"
   [f32]="matches_reference and float32"
   [bf16]="matches_reference and bfloat16"
-  [rms]="inverse_rms" [decoder]="decoder")
-for part in ${@:-ffi kernels f32 bf16 rms decoder route}; do
+  [rms]="inverse_rms" [decoder]="decoder"
+  [outputs]="recomputed_site_outputs or causal_sites")
+for part in ${@:-ffi kernels f32 bf16 rms decoder route outputs}; do
   if [[ $part == route ]]; then
     args=(tests/test_triton_route.py)
   elif [[ -n ${SEL[$part]:-} ]]; then
     args=(tests/test_stack_gpu.py -k "${SEL[$part]}")
   else
-    echo "gpu_tests.sh: no part '$part' (ffi kernels f32 bf16 rms decoder route)"
+    echo "gpu_tests.sh: no part '$part' (ffi kernels f32 bf16 rms decoder route outputs)"
     exit 2
   fi
   timeout "$TIMEOUT" python3 -m pytest -o addopts="" -v --tb=short \

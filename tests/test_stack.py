@@ -104,7 +104,7 @@ def test_blocks_match_the_block_loop(num_heads, blocks, buffers, site_group):
   h, params, queries, gains, consts, cot = problem(n, 16, seed=n)
   plan = stack._Plan(num_heads, 1e-6, "reference", blocks=blocks,
                      buffers=buffers, site_group=site_group)
-  assert_stack_is_the_block_loop(plan, (toy_sublayer, None), toy_sublayer,
+  assert_stack_is_the_block_loop(plan, (toy_sublayer, None, None), toy_sublayer,
                                  h, params, queries, gains, consts, cot)
 
 
@@ -163,11 +163,11 @@ def test_projected_sources_match_the_loop(blocks, site_group, buffers):
   blk = tuple(range(n)) if blocks is None else blocks
   plan = stack._Plan(num_heads, 1e-6, "reference", blocks=blk,
                      buffers=buffers, site_group=site_group)
-  assert_stack_is_the_block_loop(plan, (toy_body, toy_project), composed,
+  assert_stack_is_the_block_loop(plan, (toy_body, toy_project, None), composed,
                                  h, params, queries, gains, consts, cot)
   # the sources (full) or the block and partial sums are not saved
   saved = stack._forward(h, params, queries, gains, consts,
-                         (toy_body, toy_project), plan, save=True)[1]
+                         (toy_body, toy_project, None), plan, save=True)[1]
   assert len(saved[0]) == 1 and len(saved[-1]) == n
   assert all(p is None for p in saved[2])
 
@@ -188,13 +188,79 @@ def test_projected_sources_are_not_kept():
   project = lambda j, p, u: u @ p["wo"]                     # noqa: E731
   whole = lambda j, p, x, c: project(j, p, body(j, p, x, c))  # noqa: E731
   temp = {}
-  for name, fns in (("kept", (whole, None)), ("recomputed", (body, project))):
+  for name, fns in (("kept", (whole, None, None)), ("recomputed", (body, project, None))):
     plan = stack._Plan(4, 1e-6, "reference", buffers=True)
     f = lambda h, p: jnp.sum(stack._stack(h, p, queries, gains, None, fns,  # noqa: E731
                                           plan) ** 2)
     compiled = jax.jit(jax.grad(f, argnums=(0, 1))).lower(h, params).compile()
     temp[name] = compiled.memory_analysis().temp_size_in_bytes
   assert temp["kept"] - temp["recomputed"] >= 3 * tok * d * 4, temp
+
+
+def toy_norm(j, p, x):
+  """An RMSNorm with gain ``p["g"]`` (the sublayers' input norm)."""
+  return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * p["g"]
+
+
+def normed(j, p, x, consts):
+  return toy_sublayer(j, p, toy_norm(j, p, x), consts)
+
+
+@pytest.mark.parametrize("blocks,site_group,buffers", [
+    (None, 0, False), (None, 0, True), (None, 2, True), (None, 4, False),
+    (None, 3, True), ((0, 0, 1, 1, 1, 2), 0, True),
+    ((0, 0, 1, 1, 1, 2), 0, False), ((0, 0, 0, 1, 1, 1), 2, True)])
+def test_recomputed_site_outputs_match_the_loop(blocks, site_group, buffers):
+  """With ``norm`` the forward keeps no site's output but the last, and the
+  backward recomputes each from the sources (full method: a group of sites
+  at once, each over its own first sources; blocks: site by site) before
+  the norm's gradient: values and every gradient (the norms' gains too)
+  against autodiff of the loop of whole sublayers."""
+  from mhar_jax.kernels import stack
+  n, num_heads = 6, 4
+  h, params, queries, gains, consts, cot = problem(n, 16, seed=5)
+  params = tuple(dict(p, g=1.0 + 0.3 * jax.random.normal(
+      jax.random.key(j), (16,))) for j, p in enumerate(params))
+  blk = tuple(range(n)) if blocks is None else blocks
+  plan = stack._Plan(num_heads, 1e-6, "reference", blocks=blk,
+                     buffers=buffers, site_group=site_group)
+  assert_stack_is_the_block_loop(plan, (toy_sublayer, None, toy_norm), normed,
+                                 h, params, queries, gains, consts, cot)
+  xs = stack._forward(h, params, queries, gains, consts,
+                      (toy_sublayer, None, toy_norm), plan, save=True)[1][4]
+  assert all(x is None for x in xs[:-1]) and xs[-1] is not None
+
+
+def test_recomputed_site_outputs_are_not_kept():
+  """XLA's plan of the backward is smaller with the sites' outputs
+  recomputed: the recomputation is neither merged with the forward's
+  routing nor hoisted into the forward (CPU, the whole-stack buffer with
+  groups of 4 sites)."""
+  from mhar_jax.kernels import stack
+  n, d, tok = 12, 64, 8192
+  ks = jax.random.split(jax.random.key(0), n + 2)
+  params = tuple({"w": jax.random.normal(ks[j], (d, d)) / 8,
+                  "g": jnp.ones((d,))} for j in range(n))
+  h = jax.random.normal(ks[-1], (tok, d))
+  queries, gains = jax.random.normal(ks[-2], (n + 1, d)), jnp.ones((n + 1, d))
+  body = lambda j, p, x, c: jnp.tanh(x @ p["w"])              # noqa: E731
+  whole = lambda j, p, x, c: body(j, p, toy_norm(j, p, x), c)  # noqa: E731
+  temp = {}
+  for name, fns in (("kept", (whole, None, None)),
+                    ("recomputed", (body, None, toy_norm))):
+    plan = stack._Plan(4, 1e-6, "reference", buffers=True, site_group=4)
+    f = lambda h, p: jnp.sum(stack._stack(h, p, queries, gains, None, fns,  # noqa: E731
+                                          plan) ** 2)
+    compiled = jax.jit(jax.grad(f, argnums=(0, 1))).lower(h, params).compile()
+    temp[name] = compiled.memory_analysis().temp_size_in_bytes
+  assert temp["kept"] - temp["recomputed"] >= 4 * tok * d * 4, temp
+
+
+def test_norm_and_project_are_exclusive():
+  h, params, queries, gains, consts, _ = problem(2, 8)
+  with pytest.raises(ValueError, match="norm.*project"):
+    routed_stack(h, params, toy_sublayer, queries, gains, consts,
+                 num_heads=2, project=lambda j, p, u: u, norm=toy_norm)
 
 
 def test_site_groups():
@@ -241,7 +307,7 @@ def test_buffer_backward_equals_list_backward():
   for buffers in (False, True):
     plan = stack._Plan(4, 1e-6, "reference", buffers=buffers)
     out[buffers] = jax.jit(jax.grad(lambda h, p, q, g: jnp.sum(stack._stack(
-        h, p, q, g, consts, (toy_sublayer, None), plan) * cot), argnums=(0, 1, 2, 3)))(
+        h, p, q, g, consts, (toy_sublayer, None, None), plan) * cot), argnums=(0, 1, 2, 3)))(
             h, params, queries, gains)
   for a, b in zip(jax.tree.leaves(out[True]), jax.tree.leaves(out[False])):
     assert rel_err(a, b) < 1e-5, rel_err(a, b)
@@ -299,7 +365,9 @@ def decoder_grads(residual, routing_backward, remat=False, heads=4, seed=0,
                           dtype="float32", routing_backward=routing_backward,
                           remat=remat, num_blocks=num_blocks,
                           routing_site_group=site_group,
-                          recompute_sources=recompute)
+                          recompute_sources=("none" if recompute == "outputs"
+                                             else recompute),
+                          recompute_site_outputs=recompute == "outputs")
   from mhar_jax import training
   gdef = training.graphdef(cfg)
   params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)),
@@ -329,7 +397,10 @@ def decoder_grads(residual, routing_backward, remat=False, heads=4, seed=0,
         ("mhar", 4, False, 0, 0, "attention"),    # sources recomputed
         ("attnres", 1, True, 0, 3, "all"),
         ("mhar", 4, False, 2, 0, "all"),          # block sums recomputed
-        ("mhar", 2, True, 2, 2, "attention")])
+        ("mhar", 2, True, 2, 2, "attention"),
+        ("mhar", 4, False, 0, 3, "outputs"),      # sites' outputs recomputed
+        ("attnres", 1, True, 0, 0, "outputs"),
+        ("mhar", 2, False, 2, 0, "outputs")])
 def test_decoder_source_backward_equals_site_backward(residual, heads, remat,
                                                       num_blocks, site_group,
                                                       recompute):
@@ -370,6 +441,12 @@ def test_source_backward_is_for_attnres_and_mhar():
                            "recompute_sources": "all", **kw})
   with pytest.raises(ValueError, match="model.recompute_sources='mlp'"):
     TransformerConfig(residual="mhar", num_layers=2, recompute_sources="mlp")
+  # recomputed sites' outputs: the source-major stack, the sources kept
+  for kw in (dict(routing_backward="site"), dict(residual="prenorm"),
+             dict(recompute_sources="attention")):
+    with pytest.raises(ValueError, match="model.recompute_site_outputs=True"):
+      TransformerConfig(**{"residual": "mhar", "num_layers": 2,
+                           "recompute_site_outputs": True, **kw})
   with pytest.raises(ValueError, match="model.routing_site_group=4"):
     TransformerConfig(residual="mhar", num_layers=2, routing_site_group=4,
                       routing_backward="site")

@@ -151,7 +151,8 @@ def test_triton_stack_ffi_launch(monkeypatch, dtype, lead, d, heads, n,
 
 @pytest.mark.parametrize("num_blocks,num_layers,recompute", [
     (0, 3, "none"), (2, 3, "none"), (0, 13, "none"), (0, 13, "attention"),
-    (0, 13, "all"), (0, 24, "all"), (3, 13, "all")])
+    (0, 13, "all"), (0, 24, "all"), (3, 13, "all"), (0, 13, "outputs"),
+    (3, 13, "outputs")])
 def test_decoder_source_backward_on_gpu(num_blocks, num_layers, recompute):
   """The decoder's default source-major stack (Triton; 13 layers: 27 sites,
   so the default groups of 16 route on tensor cores forward, sites 0-14 and
@@ -159,7 +160,8 @@ def test_decoder_source_backward_on_gpu(num_blocks, num_layers, recompute):
   all of them recomputed, each group's cotangents in a buffer of its own; 24
   layers: sources 1-16 and 0 take their share of two and three such
   buffers; 3 blocks: block and partial sums recomputed, each block's
-  cotangents a buffer apart) against the jnp site-by-site one."""
+  cotangents a buffer apart; ``outputs``: the sites' outputs recomputed,
+  ``recompute_site_outputs``) against the jnp site-by-site one."""
   from flax import nnx
 
   from mhar_jax import training
@@ -172,9 +174,11 @@ def test_decoder_source_backward_on_gpu(num_blocks, num_layers, recompute):
   out = {}
   for name, extra in (("site", dict(routing_backward="site",
                                      routing_impl="reference")),
-                      ("source", dict(routing_backward="source",
-                                      routing_impl="triton",
-                                      recompute_sources=recompute))):
+                      ("source", dict(
+                          routing_backward="source", routing_impl="triton",
+                          recompute_sources=("none" if recompute == "outputs"
+                                             else recompute),
+                          recompute_site_outputs=recompute == "outputs"))):
     cfg = TransformerConfig(**kw, **extra)
     gdef = training.graphdef(cfg)
     params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)),
@@ -188,6 +192,94 @@ def test_decoder_source_backward_on_gpu(num_blocks, num_layers, recompute):
   for a, b in zip(jax.tree.leaves(out["source"][1]),
                   jax.tree.leaves(out["site"][1])):
     assert rel(a, b) <= 1e-4
+
+
+def norm(j, p, x):
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)
+  return (y * p["g"]).astype(x.dtype)
+
+
+def normed_sublayer(j, p, x, consts):
+  return sublayer(j, p, norm(j, p, x), consts)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("lead,d,heads,n,blocks,site_group", [
+    ((3, 160), 1280, 8, 17, None, 16), ((2, 37), 64, 4, 40, None, 16),
+    ((3, 160), 1280, 8, 6, None, 0), ((2, 37), 64, 4, 5, (0, 0, 1, 1, 1), 0)])
+def test_triton_stack_recomputed_site_outputs(dtype, lead, d, heads, n, blocks,
+                                              site_group):
+  """``routed_stack(norm=...)`` on Triton (the sites' outputs recomputed in
+  the backward: groups by the causal ``sites_kernel`` over the source
+  buffer, else site by site) against the jnp reference with the norm inside
+  each sublayer; values and every gradient (the norms' gains too). bf16 as
+  in test_triton_stack_matches_reference: against the fp32 computation,
+  within 1e-2 or 1.5x the bf16 reference's worst error."""
+  ks = jax.random.split(jax.random.key(d + n + 1), 6)
+  h = (jax.random.normal(ks[0], (*lead, d)) * 2 + 0.5).astype(dtype)
+  params = tuple({"w": jax.random.normal(k, (d, d)) / np.sqrt(d),
+                  "b": 0.1 * jax.random.normal(jax.random.fold_in(k, 1), (d,)),
+                  "g": 1 + 0.3 * jax.random.normal(jax.random.fold_in(k, 2),
+                                                   (d,))}
+                 for k in jax.random.split(ks[1], n))
+  queries = 0.5 * jax.random.normal(ks[2], (n + 1, d)) / np.sqrt(d / heads)
+  gains = 1 + 0.3 * jax.random.normal(ks[3], (n + 1, d))
+  cot = jax.random.normal(ks[4], lead + (d,))
+
+  def run(h, impl, fns):
+    def f(h, params, queries, gains):
+      out = routed_stack(h, params, fns[0], queries, gains,
+                         jnp.asarray(1.3, jnp.float32), num_heads=heads,
+                         impl=impl, blocks=blocks, norm=fns[1],
+                         site_group=site_group if impl == "triton" else 0)
+      return jnp.sum(out.astype(jnp.float32) * cot), out
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True))(
+        h, params, queries, gains)
+
+  got = run(h, "triton", (sublayer, norm))
+  want = run(h, "reference", (normed_sublayer, None))
+  if dtype == jnp.float32:
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert rel(a, b) <= TOL[dtype], rel(a, b)
+    return
+  exact = run(h.astype(jnp.float32), "reference", (normed_sublayer, None))
+  ref_err = max(rel(b, c) for b, c in zip(jax.tree.leaves(want),
+                                          jax.tree.leaves(exact)))
+  errs = [rel(a, c) for a, c in zip(jax.tree.leaves(got),
+                                    jax.tree.leaves(exact))]
+  bad = [(k, e) for k, e in enumerate(errs)
+         if e > max(TOL[dtype], 1.5 * ref_err)]
+  assert not bad, f"(leaf, error) over 1.5x {ref_err:.2e}: {bad}"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("d,heads,gv,s", [(1280, 8, 16, 31), (512, 16, 9, 9),
+                                          (1024, 8, 2, 49), (1280, 8, 1, 5)])
+def test_causal_sites_kernel_against_jnp(dtype, d, heads, gv, s):
+  """``sites_kernel`` with ``causal``: G consecutive sites, site g over the
+  first S - G + g + 1 rows of a source buffer (rows past S hold other
+  data), against each site's jnp routing over its own rows (fp32 at the
+  highest matmul precision); 1000 tokens; outputs poisoned first."""
+  from mhar_jax.kernels import reference, stack, triton_route, triton_stack
+  n_tok, rows = 1000, s + 3
+  ks = jax.random.split(jax.random.key(d + gv + s), 2)
+  buf = (jax.random.normal(ks[0], (rows, n_tok, d)) * 1.3).astype(dtype)
+  r = reference.inv_rms(buf, 1e-6)
+  t = 0.5 * jax.random.normal(ks[1], (gv, d)) / np.sqrt(d / heads)
+  plan = stack._Plan(heads, 1e-6, "reference")
+  with jax.default_matmul_precision("highest"):
+    want = [stack._sites([buf[i].astype(jnp.float32)
+                          for i in range(s - gv + k + 1)],
+                         t[k:k + 1].reshape(1, heads, -1),
+                         list(r[:s - gv + k + 1]), plan) for k in range(gv)]
+  with triton_route.poison_outputs():
+    got = jax.jit(lambda b, r, t: triton_stack.sites_local(
+        b, r, s, t, heads, causal=True))(buf, r[:s], t)
+  for k, (out, lse) in enumerate(want):
+    assert rel(got[0][k], out[0]) <= TOL[dtype], k
+    assert rel(got[1][k], lse[0]) <= (1e-5 if dtype == jnp.float32
+                                      else 1e-4), k
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

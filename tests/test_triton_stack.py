@@ -328,7 +328,7 @@ def test_routed_stack_end_to_end(kernel_module, monkeypatch, n, blocks,
   def run(impl):
     plan = stack._Plan(h, 1e-6, impl, blocks=blk, site_group=site_group)
     f = lambda x0, ps, q, g: stack._stack(x0, ps, q, g, None,  # noqa: E731
-                                          (_sublayer, project), plan)
+                                          (_sublayer, project, None), plan)
     with jax.disable_jit():
       out, vjp = jax.vjp(f, x0, params, q, g)
       return out, vjp(cot)
@@ -361,32 +361,112 @@ def test_routed_stack_end_to_end(kernel_module, monkeypatch, n, blocks,
     assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * max(scale, 1e-6), scale
 
 
-@pytest.mark.parametrize("n,d,h,rows,s,g,bt,sb", [
-    (5, 320, 2, 22, 19, 16, 2, 16),   # C = 160 = 128 + 32; two source blocks
-    (3, 64, 4, 7, 7, 5, 4, 16),       # C = 16: one part; 5 of 16 site rows
-    (4, 128, 1, 3, 1, 9, 8, 16),      # one source; AttnRes (H = 1); BT > N
-    (3, 320, 2, 40, 37, 16, 2, 32),   # blocks of 32 sources, the last ragged
-    (3, 320, 2, 20, 16, 16, 2, 16),   # whole blocks: the unmasked loop
-    (2, 64, 4, 40, 32, 9, 4, 16),     # ... two of them, C = 16
+def _norm(j, p, x):
+  return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * p["g"]
+
+
+@pytest.mark.parametrize("n,blocks,site_group", [
+    (5, None, 3),        # groups [0, 2), [2, 5) recomputed; site 5 kept
+    (5, None, 0),        # site by site from the list of sources
+    (17, None, 16),      # [0, 15) and [15, 17): one site left below site 17
+    (5, (0, 0, 1, 1, 1), 0)])
+def test_routed_stack_recomputes_site_outputs(kernel_module, monkeypatch, n,
+                                              blocks, site_group):
+  """``routed_stack``'s Triton path with ``norm``: the backward recomputes
+  the sites' outputs (the full method's groups with the causal
+  ``sites_kernel`` over the source buffer's rows still holding sources;
+  else site by site), every launch run by the interpreter, against the jnp
+  path with ``norm`` and without it: values and every gradient."""
+  ts = kernel_module
+  tr = ts.tr
+  calls = []
+
+  def counted_launch(kernel, *a, **k):
+    calls.append((kernel.__name__, k.get("CAUSAL", False)))
+    return interpreted_launch(kernel, *a, **k)
+
+  monkeypatch.setattr(tr, "_launch", counted_launch)
+  monkeypatch.setitem(ts.SITES_TUNING, "min_sites", 2)
+  monkeypatch.setitem(ts.SITES_TUNING, "tokens_per_program", 4)
+  d, h, tok = 64, 2, (2, 3)
+  rng = np.random.default_rng(n)
+  x0 = jnp.asarray(rng.normal(size=(*tok, d)), jnp.float32)
+  params = tuple({"w": jnp.asarray(rng.normal(size=(d, d)) / np.sqrt(d),
+                                   jnp.float32),
+                  "b": jnp.asarray(0.1 * rng.normal(size=d), jnp.float32),
+                  "g": jnp.asarray(1 + 0.3 * rng.normal(size=d), jnp.float32)}
+                 for _ in range(n))
+  q = jnp.asarray(0.5 * rng.normal(size=(n + 1, d)) / np.sqrt(d / h),
+                  jnp.float32)
+  g = jnp.asarray(1 + 0.2 * rng.normal(size=(n + 1, d)), jnp.float32)
+  cot = jnp.asarray(rng.normal(size=(*tok, d)), jnp.float32)
+  blk = tuple(range(n)) if blocks is None else blocks
+
+  def normed(j, p, x, consts):
+    return _sublayer(j, p, _norm(j, p, x), consts)
+
+  def run(impl, fns):
+    plan = stack._Plan(h, 1e-6, impl, blocks=blk, site_group=site_group)
+    f = lambda x0, ps, q, g: stack._stack(x0, ps, q, g, None, fns,  # noqa: E731
+                                          plan)
+    with jax.disable_jit():
+      out, vjp = jax.vjp(f, x0, params, q, g)
+      return out, vjp(cot)
+
+  out_t, grads_t = run("triton", (_sublayer, None, _norm))
+  groups = stack._Plan(h, 1e-6, "triton", blocks=blk,
+                       site_group=site_group).site_groups(n)
+  full_groups = blocks is None and site_group >= 2
+  # recomputed: each group with a site below n on tensor cores, causal
+  causal = sum(a < n for a, _ in groups) if full_groups else 0
+  assert calls.count(("sites_kernel", True)) == causal, calls
+  assert calls.count(("sites_kernel", False)) == (
+      len(groups) if full_groups else 0), calls
+  # site by site: once in the forward and once recomputed (but site n)
+  fwd = calls.count(("_fwd_kernel", False))
+  assert fwd == (n + 1 - len(groups) if full_groups else 2 * n + 1), calls
+  for fns in ((_sublayer, None, _norm), (normed, None, None)):
+    out_r, grads_r = run("reference", fns)
+    np.testing.assert_allclose(out_t, out_r, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads_t), jax.tree.leaves(grads_r)):
+      scale = float(jnp.max(jnp.abs(b)))
+      assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * max(scale, 1e-6), scale
+
+
+@pytest.mark.parametrize("n,d,h,rows,s,g,bt,sb,causal", [
+    (5, 320, 2, 22, 19, 16, 2, 16, False),  # C = 160 = 128 + 32; two blocks
+    (3, 64, 4, 7, 7, 5, 4, 16, False),      # C = 16: one part; 5 of 16 rows
+    (4, 128, 1, 3, 1, 9, 8, 16, False),     # one source; H = 1; BT > N
+    (3, 320, 2, 40, 37, 16, 2, 32, False),  # blocks of 32, the last ragged
+    (3, 320, 2, 20, 16, 16, 2, 16, False),  # whole blocks: the unmasked loop
+    (2, 64, 4, 40, 32, 9, 4, 16, False),    # ... two of them, C = 16
+    (5, 320, 2, 22, 19, 16, 2, 16, True),   # causal: site 0 reads 4 rows
+    (3, 64, 4, 40, 32, 9, 4, 16, True),     # ... whole blocks; 9 of 16 rows
+    (4, 128, 1, 3, 1, 1, 8, 16, True),      # one site over one row
+    (3, 64, 4, 20, 16, 16, 2, 16, True),    # site 0 reads row 0 alone
 ])
 def test_sites_kernel_matches_jnp_sites(kernel_module, n, d, h, rows, s, g,
-                                        bt, sb):
+                                        bt, sb, causal):
   """``sites_kernel`` (G sites over the first S rows of a source buffer, on
-  tensor cores) against ``stack._sites``; fp32 operands
-  (the interpreter's bf16 products are wrong: the GPU tests check those)."""
+  tensor cores; ``causal``: site g over the first S - G + g + 1) against
+  ``stack._sites_jnp``; fp32 operands (the interpreter's bf16 products are
+  wrong: the GPU tests check those)."""
   ts = kernel_module
   rng = np.random.default_rng(n + d + s)
   x = jnp.asarray(rng.normal(size=(rows, n, d)) * 1.3, jnp.float32)
   r = reference.inv_rms(x[:s], 1e-6)
   t = jnp.asarray(0.5 * rng.normal(size=(g, d)) / np.sqrt(d / h), jnp.float32)
-  want, want_lse = stack._sites([x[i] for i in range(s)],
-                                t.reshape(g, h, -1), [r[i] for i in range(s)],
-                                stack._Plan(h, 1e-6, "reference"))
+  want, want_lse = stack._sites_jnp(x[:s], t.reshape(g, h, -1), r, h, causal)
+  if causal:    # each site as the plain kernel over its own first rows
+    for k in range(g):
+      one = stack._sites_jnp(x[:s - g + k + 1], t[k:k + 1].reshape(1, h, -1),
+                             r[:s - g + k + 1], h)
+      np.testing.assert_allclose(want[k], one[0][0], rtol=1e-6, atol=1e-6)
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(ts.tr, "_launch", interpreted_launch)
     mp.setitem(ts.SITES_TUNING, "tokens_per_program", bt)
     mp.setitem(ts.SITES_TUNING, "source_block", sb)
-    out, lse = ts.sites_local(x, r, s, t, h)
+    out, lse = ts.sites_local(x, r, s, t, h, causal)
   assert out.shape == (g, n, d) and lse.shape == (g, n, h)
   np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
@@ -479,7 +559,7 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
   mesh = make_mesh(4, 2, jax.devices()[:8])
 
   def run(plan):
-    f = lambda *a: jnp.sum(stack._stack(*a, None, (_sublayer, project),  # noqa: E731
+    f = lambda *a: jnp.sum(stack._stack(*a, None, (_sublayer, project, None),  # noqa: E731
                                         plan) ** 2)
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(
         x0, params, q, g)

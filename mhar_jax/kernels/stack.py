@@ -65,6 +65,7 @@ from mhar_jax.kernels.reference import _heads, inv_rms
 
 Apply = Callable[[int, Any, jax.Array, Any], jax.Array]
 Project = Callable[[int, Any, jax.Array], jax.Array]
+Norm = Callable[[int, Any, jax.Array], jax.Array]
 
 
 # routed_stack's site_group where groups route on tensor cores. 1b training on
@@ -80,7 +81,8 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
                  impl: str | None = None,
                  blocks: Sequence[int] | None = None,
                  site_group: int | None = None,
-                 project: Project | None = None) -> jax.Array:
+                 project: Project | None = None,
+                 norm: Norm | None = None) -> jax.Array:
   """The output of the last routing site of a fully routed stack.
 
   Args:
@@ -129,6 +131,18 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
       copy of the sources less in memory for one more projection a
       sublayer. An identity ``project`` (``u`` is the output) keeps that
       sublayer's output.
+    norm: ``norm(j, params[j], x) -> y``, hashable like ``apply``: sublayer
+      ``j``'s first step (its input norm), whose input is the site's output
+      ``x_j``. Given, ``apply`` takes ``y`` (the sublayer is
+      ``apply(j, p, norm(j, p, x), consts)``) and the stack keeps no site's
+      output: the backward recomputes ``x_j`` from the kept sources when it
+      reaches sublayer ``j`` (full method: one pass a group of sites over
+      the sources they read, each site reading its own first ``j + 1``
+      (``triton_stack.sites(causal=True)`` on tensor cores); blocks: each
+      site over its block sums and partial sum), then takes the norm's
+      gradient. The norm's input is what the baseline keeps for its norms:
+      one ``[..., D]`` array a sublayer less in memory for one more routing
+      pass. Not with ``project`` (it needs the sources kept).
 
   Returns:
     ``x_n`` ``[..., D]`` in ``h``'s dtype.
@@ -152,6 +166,10 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
   if site_group is not None and int(site_group) < 0:
     raise ValueError(f"routed_stack: site_group={site_group} must be >= 0"
                      " (or None: automatic).")
+  if norm is not None and project is not None:
+    raise ValueError("routed_stack: norm (recompute the sites' outputs) needs"
+                     " the sources kept; it cannot be combined with project"
+                     " (recompute the sources). Pass one of them.")
   plan = _Plan(num_heads, float(eps), resolve_impl(impl), blocks=blocks)
   if site_group is None:
     site_group = (AUTO_SITE_GROUP
@@ -161,8 +179,8 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
     from mhar_jax.kernels import triton_route
     mesh, axes = triton_route.sharding_plan(h)
     plan = dataclasses.replace(plan, mesh=mesh, batch_axes=axes)
-  return _stack(h, tuple(params), queries, gains, consts, (apply, project),
-                plan)
+  return _stack(h, tuple(params), queries, gains, consts,
+                (apply, project, norm), plan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,12 +245,26 @@ def _sites(sources, t, r, plan):
     from mhar_jax.kernels import triton_route
     return triton_route._fwd_impl(tuple(sources), t.reshape(t.shape[0], -1),
                                   _cfg(sources, plan), rs=tuple(r))
-  st = _heads(jnp.stack(sources), plan.num_heads)        # [S, ..., H, C]
-  logit = jnp.stack(r)[..., None] * jnp.einsum("s...hc,ghc->gs...h", st, t)
+  return _sites_jnp(jnp.stack(sources), t, jnp.stack(r), plan.num_heads)
+
+
+def _sites_jnp(rows, t, r, num_heads: int, causal: bool = False):
+  """G sites over the sources ``rows [S, ..., D]`` (``r [S, ...]`` their
+  inv-RMS, ``t [G, H, C]`` query * gain) in jnp: outputs ``[G, ..., D]``
+  (the rows' dtype) and log-sum-exps ``[G, ..., H]``. ``causal``: site g
+  reads only rows ``0 .. S - G + g`` (G consecutive sites of the full
+  method, the last reading all S), as ``triton_stack.sites(causal=True)``."""
+  st = _heads(rows, num_heads)                            # [S, ..., H, C]
+  logit = r[..., None] * jnp.einsum("s...hc,ghc->gs...h", st, t)
+  if causal:
+    s, g = rows.shape[0], t.shape[0]
+    reads = np.arange(s)[None, :] <= np.arange(s - g, s)[:, None]   # [G, S]
+    logit = jnp.where(reads.reshape(g, s, *[1] * (logit.ndim - 2)), logit,
+                      -jnp.inf)
   lse = jax.nn.logsumexp(logit, axis=1)
   w = jnp.exp(logit - lse[:, None])
   out = jnp.einsum("gs...h,s...hc->g...hc", w, st)
-  return out.reshape(*out.shape[:-2], -1).astype(sources[0].dtype), lse
+  return out.reshape(*out.shape[:-2], -1).astype(rows.dtype), lse
 
 
 def _tensor_core_group(plan, g: int, d: int, any_size: bool = False) -> bool:
@@ -270,16 +302,17 @@ def _continue(outs, lses, k, sources, t_j, r, plan):
 
 
 def _forward(h, params, queries, gains, consts, fns, plan, save):
-  """Runs the stack (``fns = (apply, project)``). Saved: ``done``/``done_r``
+  """Runs the stack (``fns = (apply, project, norm)``). Saved: ``done``/``done_r``
   (``s_0`` and the finished block sums with their inv-RMS; ``done`` as the
   ``[len(done), ..., D]`` buffer when groups of sites route on tensor cores,
   ``[s_0]`` alone when the sources are recomputed), ``partials``/
   ``partial_r`` (per site: the partial sum it reads, or None; sites 0 ..
   n-1, the final site reads none; recomputing, no partial sums but their
-  inv-RMS), the sites' outputs and log-sum-exps, the
-  sublayers' VJPs (of ``apply`` alone when recomputing), ``t = query *
-  gain`` and the projections' inputs ``us`` (None unless recomputing)."""
-  apply, project = fns
+  inv-RMS), the sites' outputs (with ``norm``: None but the last's) and
+  log-sum-exps, the sublayers' VJPs (of ``apply`` alone when recomputing
+  the sources or with ``norm``), ``t = query * gain`` and the projections'
+  inputs ``us`` (None unless recomputing)."""
+  apply, project, norm = fns
   recompute = project is not None
   t = (queries.astype(jnp.float32) * gains.astype(jnp.float32)).reshape(
       queries.shape[0], plan.num_heads, -1)
@@ -349,11 +382,12 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
     x, lse = route_site(j)
     f = functools.partial(_sublayer, apply, None if recompute else project, j,
                           consts)
+    x_in = x if norm is None else norm(j, p, x)
     if save:
-      y, vjp = jax.vjp(f, p, x)
+      y, vjp = jax.vjp(f, p, x_in)
       vjps.append(vjp)
     else:
-      y = f(p, x)
+      y = f(p, x_in)
     if recompute:
       us.append(y)
       y = project(j, p, y)
@@ -361,7 +395,7 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
       raise ValueError(
           f"routed_stack: sublayer {j} returned {y.shape} {y.dtype}; it must"
           f" return the sources' shape and dtype, {h.shape} {h.dtype}.")
-    xs.append(x)
+    xs.append(x if norm is None else None)
     lses.append(lse)
     partial = y if partial is None else partial + y
     if ends[j]:
@@ -528,7 +562,7 @@ def _source_grad_lists(s, r, dxs, xs_dot, t, lses, num_heads):
 def _stack_bwd(fns, plan, res, g):
   (done, done_r, partials, partial_r, xs, lses, vjps, t, us), params, \
       queries, gains, consts = res
-  project = fns[1]
+  _, project, norm = fns
   n, h = len(vjps), plan.num_heads
   ends = plan.block_ends(n)
   tt = t.reshape(n + 1, -1)
@@ -734,6 +768,45 @@ def _stack_bwd(fns, plan, res, g):
       init, init_row = out[:2], None  # (acc, coef) unless last: (ds, dt)
     return out[0]
 
+  recomputed = {}      # with norm: sites' outputs, recomputed a group at once
+
+  def routed_input(j, after):
+    """Site ``j``'s output ``x_j`` (``j < n``), recomputed (``norm`` given)
+    from the sources it reads, as the forward routed it up to rounding.
+    Full method: every site of ``j``'s group (``plan.site_groups``; the
+    backward reaches its top site first) in one pass over the sources,
+    site k reading ``s_0 .. s_k``; the shared buffer's rows ``0 .. k`` are
+    still sources then (row k + 1 is written with site k's cotangent).
+    Blocks: site ``j`` alone over the block sums before its block and its
+    partial sum. The inverse RMS pass an optimization barrier with
+    ``after`` (the gradient of sublayer ``j``'s output), so that XLA
+    neither merges the recomputation with the forward's routing (keeping
+    its result after all) nor hoists it."""
+    if j in recomputed:
+      return recomputed.pop(j)
+    if not plan.full:
+      k = plan.blocks[j] + 1              # s_0 and the finished block sums
+      live, live_r = list(done[:k]), list(done_r[:k])
+      if partials[j] is not None:
+        live, live_r = live + [partials[j]], live_r + [partial_r[j]]
+      live_r, _ = jax.lax.optimization_barrier((live_r, after))
+      return _sites(live, t[j:j + 1], live_r, plan)[0][0]
+    a, b = next(ab for ab in plan.site_groups(n) if ab[0] <= j < ab[1])
+    b = min(b, n)                         # site n's output is kept
+    r_rows, _ = jax.lax.optimization_barrier((jnp.stack(done_r[:b]), after))
+    if not shared and b - a == 1:         # site by site from the list
+      return _sites(done[:b], t[j:j + 1], list(r_rows), plan)[0][0]
+    if shared and plan.impl == "triton" and _tensor_core_group(
+        plan, b - a, g.shape[-1], any_size=True):
+      from mhar_jax.kernels import triton_stack
+      out, _ = triton_stack.sites(cots[0], r_rows, b, tt[a:b], h, plan.mesh,
+                                  plan.batch_axes, causal=True)
+    else:
+      rows = cots[0][:b] if shared else jnp.stack(done[:b])
+      out, _ = _sites_jnp(rows, t[a:b], r_rows, h, causal=True)
+    recomputed.update({k: out[k - a] for k in range(a, b) if k != j})
+    return out[j - a]
+
   def settled(outs):
     """``outs`` (read from the cotangent buffers) through an optimization
     barrier: a query-gain gradient (read only at the end) is then computed
@@ -758,13 +831,20 @@ def _stack_bwd(fns, plan, res, g):
       dparams[j], dx = vjps[j](du)
       dparams[j] = jax.tree.map(jnp.add, dparams[j], dp_project)
       after = dx
+    elif norm is not None:
+      x_j = routed_input(j, dy)
+      dparams[j], dyn = vjps[j](dy)
+      dp_norm, dx = jax.vjp(functools.partial(norm, j), params[j], x_j)[1](
+          dyn)
+      dparams[j] = jax.tree.map(jnp.add, dparams[j], dp_norm)
     else:
       dparams[j], dx = vjps[j](dy)
+    x_j = xs[j] if norm is None else x_j
     if plan.use_buffers:
       put(j, dx)
-      xd = xd.at[j + off].set(dot_heads(dx, xs[j]))
+      xd = xd.at[j + off].set(dot_heads(dx, x_j))
     else:
-      dxs[j], xds[j] = dx, dot_heads(dx, xs[j])
+      dxs[j], xds[j] = dx, dot_heads(dx, x_j)
     if partial_r[j] is not None:
       src = partials[j] if us is None else sums.pop(("site", j))
       dy = dy + _grad_of(src, partial_r[j], j, 1)

@@ -540,15 +540,16 @@ def _flat_step(it, nb, tile, N, BT: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def _sites_block(xp, rp, sm, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m, lsum,
-                 acca, accb, CA: tl.constexpr, CB: tl.constexpr,
+def _sites_block(xp, rp, sm, cm, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m,
+                 lsum, acca, accb, CA: tl.constexpr, CB: tl.constexpr,
                  LOWP: tl.constexpr, EVEN_S: tl.constexpr,
-                 FULL_B: tl.constexpr):
+                 FULL_B: tl.constexpr, CAUSAL: tl.constexpr):
   """One block of SB sources at one token and head folded into G sites'
   online softmax ``(m, lsum, acca, accb)`` (``m`` -inf: a fresh start).
 
   ``xp`` points at the block's rows (``[SB]`` row pointers, the head's first
-  channel), ``rp`` at their inverse RMS, ``sm [SB]`` which sources exist;
+  channel), ``rp`` at their inverse RMS, ``sm [SB]`` which sources exist,
+  ``cm [G, SB]`` (CAUSAL) which of them each site reads;
   ``t*_hi``/``t*_lo [G, CA|CB]`` the queries (two terms when LOWP). CB = 0:
   ``tb_*``/``accb`` are placeholders, returned as given."""
   xa = _load_tile(xp[:, None] + ca[None, :], sm[:, None], EVEN_S)
@@ -562,7 +563,9 @@ def _sites_block(xp, rp, sm, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m, lsum,
       xb = xb.to(tl.float32)
     u += _dot2(tb_hi, tb_lo, tl.trans(xb), LOWP)
   rs = _load_tile(rp, sm, EVEN_S)
-  if EVEN_S:
+  if CAUSAL:
+    logit = tl.where(cm & sm[None, :], u * rs[None, :], float("-inf"))
+  elif EVEN_S:
     logit = u * rs[None, :]
   else:
     logit = tl.where(sm[None, :], u * rs[None, :], float("-inf"))
@@ -599,7 +602,8 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
                  D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                  CA: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
                  SB: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
-                 LOWP: tl.constexpr, EVEN_S: tl.constexpr):
+                 LOWP: tl.constexpr, EVEN_S: tl.constexpr,
+                 CAUSAL: tl.constexpr):
   """BT tokens of head ``program_id(1)``: GV sites over the first S sources.
 
   ``x_ptr [R, N, D]`` (R >= S rows of sources), ``r_ptr [S, N]`` fp32 inverse
@@ -609,6 +613,9 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
 
       logit[g, s] = r_s <t_g, x_s>_h      lse[g] = logsumexp_s logit[g, s]
       out[g]      = sum_s exp(logit[g, s] - lse[g]) x_s
+
+  CAUSAL: site g reads only the sources ``s <= S - GV + g`` (the last site
+  all S: consecutive sites of the full method, each reading one source more).
 
   Per token, ``[G, C] x [C, SB]`` then ``[G, SB] x [SB, C]`` products (G a
   power of two >= 16 >= GV; rows >= GV are masked) with an online softmax over
@@ -648,6 +655,8 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
   srow = sb.to(tl.int64) * nd               # a block's rows, from its first
   gout = g.to(tl.int64) * nd
   glse = g.to(tl.int64) * n64 * H + h
+  # CAUSAL: site g's last source (rows >= GV are masked at the store).
+  glast = S - GV + g
   m = tl.full((G,), float("-inf"), tl.float32)
   lsum = tl.zeros((G,), tl.float32)
   acca = tl.zeros((G, CA), tl.float32)
@@ -659,8 +668,9 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
     m = tl.where(s0 == 0, float("-inf"), m)
     m, lsum, acca, accb = _sites_block(
         x_ptr + s0 * nd + srow + row, r_ptr + (s0 + sb) * n64 + n,
-        s0 + sb < S, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m, lsum,
-        acca, accb, CA, CB, LOWP, EVEN_S, FULL_B)
+        s0 + sb < S, (s0 + sb)[None, :] <= glast[:, None], ta_hi, ta_lo,
+        tb_hi, tb_lo, ca, cb, cbm, m, lsum, acca, accb, CA, CB, LOWP, EVEN_S,
+        FULL_B, CAUSAL)
     if s0 + SB >= S:
       _sites_store(out_ptr, lse_ptr, gout + row, glse + n * H,
                    tl.where(nn < N, gm, False), ca, cb, cbm, m, lsum, acca,
@@ -677,23 +687,28 @@ def sites_supported(d: int, h: int, g: int) -> bool:
   return d % h == 0 and ca >= 16 and (cb == 0 or cb >= 16) and 1 <= g <= 64
 
 
-def sites_local(x, r, s: int, t, h: int):
+def sites_local(x, r, s: int, t, h: int, causal: bool = False):
   """G sites over the first ``s`` rows of a source buffer, local arrays.
 
   ``x [R, N, D]`` (rows ``0 .. s-1`` are the sources), ``r [s, N]`` their
   inverse RMS, ``t [G, D]`` the sites' query * gain. Returns ``(out [G, N, D]``
   in ``x``'s dtype, ``lse [G, N, H]`` float32)`` as
-  ``stack._sites`` computes them.
+  ``stack._sites`` computes them; ``causal``: site g reads only the rows
+  ``0 .. s - G + g`` (G consecutive sites of the full method, the last
+  reading all ``s``), as ``stack._causal_sites``.
   """
   _, n, d = x.shape
   g = t.shape[0]
   sb = int(SITES_TUNING["source_block"])
+  if causal and not 1 <= g <= s:
+    raise ValueError(f"sites_local: {g} causal sites over {s} rows; the"
+                     " first site must read at least one row (G <= s).")
   t = t.astype(jnp.float32)
   return _group_launch(
       "sites_local", sites_kernel, SITES_TUNING, [x, r.astype(jnp.float32), t],
       [int(s), g, n], [jax.ShapeDtypeStruct((g, n, d), x.dtype),
                        jax.ShapeDtypeStruct((g, n, h), jnp.float32)],
-      x.dtype, n, d, h, g, SB=sb, EVEN_S=s % sb == 0)
+      x.dtype, n, d, h, g, SB=sb, EVEN_S=s % sb == 0, CAUSAL=bool(causal))
 
 
 def _group_launch(name, kernel, tu, inputs, scalars, out_shapes, dtype, n, d,
@@ -716,7 +731,8 @@ def _group_launch(name, kernel, tu, inputs, scalars, out_shapes, dtype, n, d,
       STAGES=int(tu["stages"]), LOWP=dtype != jnp.float32, **meta)
 
 
-def sites(x, r, s: int, t, h: int, mesh=None, batch_axes=()):
+def sites(x, r, s: int, t, h: int, mesh=None, batch_axes=(),
+          causal: bool = False):
   """:func:`sites_local` on ``x [R, tokens..., D]``, ``r [s, tokens...]``,
   under ``shard_map`` over the batch axes of ``mesh`` when given. Returns
   ``(out [G, tokens..., D], lse [G, tokens..., H])``."""
@@ -726,7 +742,7 @@ def sites(x, r, s: int, t, h: int, mesh=None, batch_axes=()):
   def local(x, r, t):
     loc = x.shape[1:-1]
     out, lse = sites_local(x.reshape(x.shape[0], -1, x.shape[-1]),
-                           r.reshape(r.shape[0], -1), s, t, h)
+                           r.reshape(r.shape[0], -1), s, t, h, causal)
     return (out.reshape(t.shape[0], *loc, x.shape[-1]),
             lse.reshape(t.shape[0], *loc, h))
 

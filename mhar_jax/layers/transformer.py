@@ -90,6 +90,12 @@ class TransformerConfig:
   # "all"): a copy of their outputs less at the memory peak for one more
   # output projection each.
   recompute_sources: str = "none"
+  # Source-major stacks: keep no routing site's output (the input of the
+  # sublayer's RMSNorm) but recompute it in the backward from the kept
+  # sources, one causal pass a group of sites: a [B, T, D] array a sublayer
+  # less at the memory peak for one more routing pass. Not with
+  # recompute_sources (it needs the sources kept).
+  recompute_site_outputs: bool = False
   remat: bool = False
 
   def __post_init__(self):
@@ -150,6 +156,17 @@ class TransformerConfig:
           " stack (AttnRes / MHAR, full or blocks, routing_backward 'auto' or"
           f" 'source'); got model.residual={self.residual!r},"
           f" routing_backward={self.routing_backward!r}. Set it to 'none'.")
+    if not isinstance(self.recompute_site_outputs, bool):
+      bad("recompute_site_outputs", "must be True or False.")
+    if self.recompute_site_outputs and not self.source_major_backward:
+      bad("recompute_site_outputs", "recomputes the sites of the source-major"
+          " stack (AttnRes / MHAR, full or blocks, routing_backward 'auto' or"
+          f" 'source'); got model.residual={self.residual!r},"
+          f" routing_backward={self.routing_backward!r}. Set it to False.")
+    if self.recompute_site_outputs and self.recompute_sources != "none":
+      bad("recompute_site_outputs", "recomputes the sites' outputs from the"
+          " kept sources, which model.recompute_sources="
+          f"{self.recompute_sources!r} does not keep: set one of them off.")
 
   @property
   def source_major_backward(self) -> bool:
@@ -208,9 +225,10 @@ class AttentionSublayer(nnx.Module):
   def __call__(self, x, positions):
     return self.project(self.body(x, positions))
 
-  def body(self, x, positions):
-    """Everything before the output projection: ``[B, T, H, K]``."""
-    return self.attn.heads(self.norm(x), positions)
+  def body(self, x, positions, normed=False):
+    """Everything before the output projection: ``[B, T, H, K]``
+    (``normed``: ``x`` is ``self.norm``'s output already)."""
+    return self.attn.heads(x if normed else self.norm(x), positions)
 
   def project(self, u):
     return self.attn.project(u)
@@ -229,10 +247,11 @@ class MLPSublayer(nnx.Module):
   def __call__(self, x, positions):
     return self.project(self.body(x, positions))
 
-  def body(self, x, positions):
-    """Everything before the down projection: ``[B, T, F]``."""
+  def body(self, x, positions, normed=False):
+    """Everything before the down projection: ``[B, T, F]`` (``normed``:
+    ``x`` is ``self.norm``'s output already)."""
     del positions
-    return self.mlp.hidden(self.norm(x))
+    return self.mlp.hidden(x if normed else self.norm(x))
 
   def project(self, u):
     return self.mlp.project(u)
@@ -250,13 +269,19 @@ def _call_sublayer(sublayer, x, positions):
   return sublayer(x, positions)
 
 
-def _apply_sublayer(j, state, x, positions, *, graphdefs, split=None):
+def _apply_sublayer(j, state, x, positions, *, graphdefs, split=None,
+                    normed=False):
   """Sublayer ``j`` as a pure function of its state (for ``routed_stack``);
-  where ``split[j]``, only its body (the input of its output projection)."""
+  where ``split[j]``, only its body (the input of its output projection);
+  ``normed``: without its input norm (``x`` is that norm's output)."""
   sublayer = nnx.merge(graphdefs[j], state)
-  if split is not None and split[j]:
-    return sublayer.body(x, positions)
-  return sublayer(x, positions)
+  u = sublayer.body(x, positions, normed=normed)
+  return u if split is not None and split[j] else sublayer.project(u)
+
+
+def _norm_sublayer(j, state, x, *, graphdefs):
+  """Sublayer ``j``'s input norm as a pure function of its state."""
+  return nnx.merge(graphdefs[j], state).norm(x)
 
 
 def _project_sublayer(j, state, u, *, graphdefs, split):
@@ -383,8 +408,11 @@ class Transformer(nnx.Module):
                     for f in subs)
       project = functools.partial(_project_sublayer,
                                   graphdefs=tuple(graphdefs), split=split)
+    norm = None
+    if self.cfg.recompute_site_outputs:
+      norm = functools.partial(_norm_sublayer, graphdefs=tuple(graphdefs))
     apply = functools.partial(_apply_sublayer, graphdefs=tuple(graphdefs),
-                              split=split)
+                              split=split, normed=norm is not None)
     if self.cfg.remat:
       apply = jax.checkpoint(apply, static_argnums=(0,))
     queries = jnp.stack([r.query[...] for r in self.routers])
@@ -394,7 +422,7 @@ class Transformer(nnx.Module):
                         eps=self.cfg.norm_eps, impl=self.cfg.routing_impl,
                         blocks=self.cfg.blocks,
                         site_group=self.cfg.routing_site_group,
-                        project=project)
+                        project=project, norm=norm)
 
   def _delta(self, h, subs, call, positions, routing, record):
     """The delta form: the ordinary stream plus ``gate * route([null, deltas])``."""
