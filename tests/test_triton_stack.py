@@ -480,11 +480,12 @@ def test_sites_supported(kernel_module):
   assert not ok(1280, 8, 0) and not ok(1280, 8, 65)
 
 
-@pytest.mark.parametrize("project,blocks,site_block", [
-    (None, None, 16), (_project, None, 16), (_project, None, 4),
-    (None, (0, 0, 0, 1, 1, 2, 2, 2, 2), 16)])
+@pytest.mark.parametrize("project,blocks,site_block,norm", [
+    (None, None, 16, None), (_project, None, 16, None),
+    (_project, None, 4, None), (None, (0, 0, 0, 1, 1, 2, 2, 2, 2), 16, None),
+    (None, None, 16, _norm)])
 def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
-                                site_block):
+                                site_block, norm):
   """``routed_stack``'s Triton path with groups of sites and of sources under
   a (data=4, model=2) mesh of CPU devices: every kernel wrapper's shard_map
   specs, reshapes and ``dt`` psums, with the local kernels replaced by the
@@ -493,19 +494,17 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
   ``project``: the backward's groups of recomputed sources; with
   ``blocks``: block sums summing their shares over each block's span of
   cotangents; ``site_block`` 4: a group's share of the spans above it in
-  one launch)."""
+  one launch; with ``norm``: the groups' outputs recomputed, causal)."""
   from mhar_jax.parallel import make_mesh
   ts = kernel_module
   tr = ts.tr
   n, d, h = 9, 64, 2      # C = 32: the tensor-core kernels take it
-  ref = stack._Plan(h, 1e-6, "reference")
 
   calls = []
 
-  def sites_local(x, r, s, t, heads):
-    calls.append("sites")
-    return stack._sites([x[i] for i in range(s)], t.reshape(t.shape[0], h, -1),
-                        list(r), ref)
+  def sites_local(x, r, s, t, heads, causal=False):
+    calls.append("causal" if causal else "sites")
+    return stack._sites_jnp(x[:s], t.reshape(t.shape[0], h, -1), r, h, causal)
 
   def sources_partial_local(S, i0, gv, r, dX, t, lse, xd, j, m, heads,
                             init=None, dx_row=None, into=None):
@@ -552,14 +551,15 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
   rng = np.random.default_rng(5)
   x0 = jnp.asarray(rng.normal(size=(8, 3, d)), jnp.float32)
   params = tuple({"w": jnp.asarray(rng.normal(size=(d, d)) / 8, jnp.float32),
-                  "b": jnp.asarray(0.1 * rng.normal(size=d), jnp.float32)}
+                  "b": jnp.asarray(0.1 * rng.normal(size=d), jnp.float32),
+                  "g": jnp.asarray(1 + 0.3 * rng.normal(size=d), jnp.float32)}
                  for _ in range(n))
   q = jnp.asarray(0.5 * rng.normal(size=(n + 1, d)), jnp.float32)
   g = jnp.asarray(1 + 0.2 * rng.normal(size=(n + 1, d)), jnp.float32)
   mesh = make_mesh(4, 2, jax.devices()[:8])
 
   def run(plan):
-    f = lambda *a: jnp.sum(stack._stack(*a, None, (_sublayer, project, None),  # noqa: E731
+    f = lambda *a: jnp.sum(stack._stack(*a, None, (_sublayer, project, norm),  # noqa: E731
                                         plan) ** 2)
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(
         x0, params, q, g)
@@ -579,8 +579,10 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
     # under [6, 10); recomputed sources: each group's cotangents apart, so
     # [0, 2) takes its share of [2, 6) and [6, 10) in two calls, or in one
     # reading both buffers where [6, 10) starts a whole site block later
-    assert calls == (["sites"] * 3
-                     + ["sources"] * (2 + bool(project) - merged)), calls
+    assert [c for c in calls if c != "causal"] == (
+        ["sites"] * 3 + ["sources"] * (2 + bool(project) - merged)), calls
+    # with norm, the backward recomputes the groups [7, 9), [3, 7), [0, 3)
+    assert calls.count("causal") == (3 if norm else 0), calls
     assert pieces == ([1, 2] if merged else [1] * len(pieces)), pieces
     assert partials == 0
     # the saved sources' buffer: every source a row of it, and every share
