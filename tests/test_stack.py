@@ -104,7 +104,8 @@ def test_blocks_match_the_block_loop(num_heads, blocks, buffers, site_group):
   h, params, queries, gains, consts, cot = problem(n, 16, seed=n)
   plan = stack._Plan(num_heads, 1e-6, "reference", blocks=blocks,
                      buffers=buffers, site_group=site_group)
-  assert_stack_is_the_block_loop(plan, (toy_sublayer, None, None), toy_sublayer,
+  assert_stack_is_the_block_loop(plan, (toy_sublayer, None, None),
+                                 toy_sublayer,
                                  h, params, queries, gains, consts, cot)
 
 
@@ -188,7 +189,8 @@ def test_projected_sources_are_not_kept():
   project = lambda j, p, u: u @ p["wo"]                     # noqa: E731
   whole = lambda j, p, x, c: project(j, p, body(j, p, x, c))  # noqa: E731
   temp = {}
-  for name, fns in (("kept", (whole, None, None)), ("recomputed", (body, project, None))):
+  for name, fns in (("kept", (whole, None, None)),
+                    ("recomputed", (body, project, None))):
     plan = stack._Plan(4, 1e-6, "reference", buffers=True)
     f = lambda h, p: jnp.sum(stack._stack(h, p, queries, gains, None, fns,  # noqa: E731
                                           plan) ** 2)

@@ -137,7 +137,7 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
       ``apply(j, p, norm(j, p, x), consts)``) and the stack keeps no site's
       output: the backward recomputes ``x_j`` from the kept sources when it
       reaches sublayer ``j`` (full method: one pass a group of sites over
-      the sources they read, each site reading its own first ``j + 1``
+      the sources they read, site ``k`` reading ``s_0 .. s_k``
       (``triton_stack.sites(causal=True)`` on tensor cores); blocks: each
       site over its block sums and partial sum), then takes the norm's
       gradient. The norm's input is what the baseline keeps for its norms:
@@ -302,13 +302,13 @@ def _continue(outs, lses, k, sources, t_j, r, plan):
 
 
 def _forward(h, params, queries, gains, consts, fns, plan, save):
-  """Runs the stack (``fns = (apply, project, norm)``). Saved: ``done``/``done_r``
-  (``s_0`` and the finished block sums with their inv-RMS; ``done`` as the
-  ``[len(done), ..., D]`` buffer when groups of sites route on tensor cores,
-  ``[s_0]`` alone when the sources are recomputed), ``partials``/
-  ``partial_r`` (per site: the partial sum it reads, or None; sites 0 ..
-  n-1, the final site reads none; recomputing, no partial sums but their
-  inv-RMS), the sites' outputs (with ``norm``: None but the last's) and
+  """Runs the stack (``fns = (apply, project, norm)``). Saved: ``done``/
+  ``done_r`` (``s_0`` and the finished block sums with their inv-RMS;
+  ``done`` as the ``[len(done), ..., D]`` buffer when groups of sites route
+  on tensor cores, ``[s_0]`` alone when the sources are recomputed),
+  ``partials``/``partial_r`` (per site: the partial sum it reads, or None;
+  sites 0 .. n-1, the final site reads none; recomputing, no partial sums
+  but their inv-RMS), the sites' outputs (with ``norm``: None but the last's) and
   log-sum-exps, the sublayers' VJPs (of ``apply`` alone when recomputing
   the sources or with ``norm``), ``t = query * gain`` and the projections'
   inputs ``us`` (None unless recomputing)."""
@@ -831,7 +831,7 @@ def _stack_bwd(fns, plan, res, g):
       dparams[j], dx = vjps[j](du)
       dparams[j] = jax.tree.map(jnp.add, dparams[j], dp_project)
       after = dx
-    elif norm is not None:
+    elif norm is not None:     # the norm's gradient at x_j recomputed
       x_j = routed_input(j, dy)
       dparams[j], dyn = vjps[j](dy)
       dp_norm, dx = jax.vjp(functools.partial(norm, j), params[j], x_j)[1](
@@ -839,7 +839,8 @@ def _stack_bwd(fns, plan, res, g):
       dparams[j] = jax.tree.map(jnp.add, dparams[j], dp_norm)
     else:
       dparams[j], dx = vjps[j](dy)
-    x_j = xs[j] if norm is None else x_j
+    if norm is None:
+      x_j = xs[j]
     if plan.use_buffers:
       put(j, dx)
       xd = xd.at[j + off].set(dot_heads(dx, x_j))

@@ -695,7 +695,7 @@ def sites_local(x, r, s: int, t, h: int, causal: bool = False):
   in ``x``'s dtype, ``lse [G, N, H]`` float32)`` as
   ``stack._sites`` computes them; ``causal``: site g reads only the rows
   ``0 .. s - G + g`` (G consecutive sites of the full method, the last
-  reading all ``s``), as ``stack._causal_sites``.
+  reading all ``s``), as ``stack._sites_jnp(causal=True)``.
   """
   _, n, d = x.shape
   g = t.shape[0]
