@@ -91,18 +91,25 @@ def test_triton_stack_matches_reference(dtype, lead, d, heads, n, blocks,
   got = grads("triton", h, params, queries, gains, cot, heads, blocks,
               site_group)
   want = grads("reference", h, params, queries, gains, cot, heads, blocks)
+  assert_matches(dtype, got, want, lambda: grads(
+      "reference", h.astype(jnp.float32), params, queries, gains, cot, heads,
+      blocks))
+
+
+def assert_matches(dtype, got, want, exact):
+  """Every leaf of the kernels' ``got`` against the reference's ``want``:
+  float32 within 1e-5. bf16: both paths round at every sublayer,
+  differently, and in a deep stack the rounding compounds (at n = 40 the
+  bf16 reference is up to 1.4% off, and which leaf is worst differs between
+  the paths). Both are measured against the fp32 computation on the same
+  (bf16-valued) inputs, ``exact()``: every leaf of the kernel's within the
+  tolerance or 1.5x the bf16 reference's worst leaf, whichever is larger (a
+  wrong element is O(1))."""
   if dtype == jnp.float32:
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       assert rel(a, b) <= TOL[dtype], rel(a, b)
     return
-  # bf16: both paths round at every sublayer, differently, and in a deep
-  # stack the rounding compounds (at n = 40 the bf16 reference is up to 1.4%
-  # off, and which leaf is worst differs between the paths). Both are
-  # measured against the fp32 computation on the same (bf16-valued) inputs:
-  # every leaf of the kernel's within the tolerance or 1.5x the bf16
-  # reference's worst leaf, whichever is larger (a wrong element is O(1)).
-  exact = grads("reference", h.astype(jnp.float32), params, queries, gains,
-                cot, heads, blocks)
+  exact = exact()
   ref_err = max(rel(b, c) for b, c in zip(jax.tree.leaves(want),
                                           jax.tree.leaves(exact)))
   errs = [rel(a, c) for a, c in zip(jax.tree.leaves(got),
@@ -213,9 +220,8 @@ def test_triton_stack_recomputed_site_outputs(dtype, lead, d, heads, n, blocks,
   """``routed_stack(norm=...)`` on Triton (the sites' outputs recomputed in
   the backward: groups by the causal ``sites_kernel`` over the source
   buffer, else site by site) against the jnp reference with the norm inside
-  each sublayer; values and every gradient (the norms' gains too). bf16 as
-  in test_triton_stack_matches_reference: against the fp32 computation,
-  within 1e-2 or 1.5x the bf16 reference's worst error."""
+  each sublayer; values and every gradient (the norms' gains too), as
+  :func:`assert_matches` compares them."""
   ks = jax.random.split(jax.random.key(d + n + 1), 6)
   h = (jax.random.normal(ks[0], (*lead, d)) * 2 + 0.5).astype(dtype)
   params = tuple({"w": jax.random.normal(k, (d, d)) / np.sqrt(d),
@@ -239,18 +245,8 @@ def test_triton_stack_recomputed_site_outputs(dtype, lead, d, heads, n, blocks,
 
   got = run(h, "triton", (sublayer, norm))
   want = run(h, "reference", (normed_sublayer, None))
-  if dtype == jnp.float32:
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      assert rel(a, b) <= TOL[dtype], rel(a, b)
-    return
-  exact = run(h.astype(jnp.float32), "reference", (normed_sublayer, None))
-  ref_err = max(rel(b, c) for b, c in zip(jax.tree.leaves(want),
-                                          jax.tree.leaves(exact)))
-  errs = [rel(a, c) for a, c in zip(jax.tree.leaves(got),
-                                    jax.tree.leaves(exact))]
-  bad = [(k, e) for k, e in enumerate(errs)
-         if e > max(TOL[dtype], 1.5 * ref_err)]
-  assert not bad, f"(leaf, error) over 1.5x {ref_err:.2e}: {bad}"
+  assert_matches(dtype, got, want, lambda: run(
+      h.astype(jnp.float32), "reference", (normed_sublayer, None)))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
