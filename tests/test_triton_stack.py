@@ -281,6 +281,28 @@ def _project(j, p, u):
   return u @ p["w"].T if j % 2 else u
 
 
+def _stack_problem(seed, n, d, h, tok=(2, 3), norm_gains=False):
+  """``(x0, params, queries, gains, cotangent)`` of a stack of ``n``
+  sublayers (``_sublayer``'s ``w``, ``b``; ``norm_gains``: also ``_norm``'s
+  ``g``) at width ``d``, ``h`` heads, tokens ``tok``, float32."""
+  rng = np.random.default_rng(seed)
+  x0 = jnp.asarray(rng.normal(size=(*tok, d)), jnp.float32)
+
+  def sublayer_params():
+    p = {"w": jnp.asarray(rng.normal(size=(d, d)) / np.sqrt(d), jnp.float32),
+         "b": jnp.asarray(0.1 * rng.normal(size=d), jnp.float32)}
+    if norm_gains:
+      p["g"] = jnp.asarray(1 + 0.3 * rng.normal(size=d), jnp.float32)
+    return p
+
+  params = tuple(sublayer_params() for _ in range(n))
+  q = jnp.asarray(0.5 * rng.normal(size=(n + 1, d)) / np.sqrt(d / h),
+                  jnp.float32)
+  g = jnp.asarray(1 + 0.2 * rng.normal(size=(n + 1, d)), jnp.float32)
+  cot = jnp.asarray(rng.normal(size=(*tok, d)), jnp.float32)
+  return x0, params, q, g, cot
+
+
 @pytest.mark.parametrize("n,blocks,given_r,site_group,src_groups,project", [
     (5, None, True, 0, 0, None), (5, None, False, 0, 0, None),
     (5, (0, 0, 1, 1, 1), True, 0, 0, None),
@@ -312,17 +334,8 @@ def test_routed_stack_end_to_end(kernel_module, monkeypatch, n, blocks,
   monkeypatch.setitem(tr.TUNING, "fwd_given_r", given_r)
   monkeypatch.setitem(ts.SITES_TUNING, "min_sites", 2)
   monkeypatch.setitem(ts.SITES_TUNING, "tokens_per_program", 4)
-  d, h, tok = 320, 2, (2, 3)
-  rng = np.random.default_rng(3)
-  x0 = jnp.asarray(rng.normal(size=(*tok, d)), jnp.float32)
-  params = tuple({"w": jnp.asarray(rng.normal(size=(d, d)) / np.sqrt(d),
-                                   jnp.float32),
-                  "b": jnp.asarray(0.1 * rng.normal(size=d), jnp.float32)}
-                 for _ in range(n))
-  q = jnp.asarray(0.5 * rng.normal(size=(n + 1, d)) / np.sqrt(d / h),
-                  jnp.float32)
-  g = jnp.asarray(1 + 0.2 * rng.normal(size=(n + 1, d)), jnp.float32)
-  cot = jnp.asarray(rng.normal(size=(*tok, d)), jnp.float32)
+  d, h = 320, 2
+  x0, params, q, g, cot = _stack_problem(3, n, d, h)
   blk = tuple(range(n)) if blocks is None else blocks
 
   def run(impl):
@@ -388,18 +401,8 @@ def test_routed_stack_recomputes_site_outputs(kernel_module, monkeypatch, n,
   monkeypatch.setattr(tr, "_launch", counted_launch)
   monkeypatch.setitem(ts.SITES_TUNING, "min_sites", 2)
   monkeypatch.setitem(ts.SITES_TUNING, "tokens_per_program", 4)
-  d, h, tok = 64, 2, (2, 3)
-  rng = np.random.default_rng(n)
-  x0 = jnp.asarray(rng.normal(size=(*tok, d)), jnp.float32)
-  params = tuple({"w": jnp.asarray(rng.normal(size=(d, d)) / np.sqrt(d),
-                                   jnp.float32),
-                  "b": jnp.asarray(0.1 * rng.normal(size=d), jnp.float32),
-                  "g": jnp.asarray(1 + 0.3 * rng.normal(size=d), jnp.float32)}
-                 for _ in range(n))
-  q = jnp.asarray(0.5 * rng.normal(size=(n + 1, d)) / np.sqrt(d / h),
-                  jnp.float32)
-  g = jnp.asarray(1 + 0.2 * rng.normal(size=(n + 1, d)), jnp.float32)
-  cot = jnp.asarray(rng.normal(size=(*tok, d)), jnp.float32)
+  d, h = 64, 2
+  x0, params, q, g, cot = _stack_problem(n, n, d, h, norm_gains=True)
   blk = tuple(range(n)) if blocks is None else blocks
 
   def normed(j, p, x, consts):
