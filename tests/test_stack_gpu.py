@@ -4,7 +4,7 @@ Skipped unless JAX's default backend is a GPU and jax_triton imports (run on
 the device with ``JAX_PLATFORMS=cuda``). Values and gradients (embedding,
 every sublayer parameter, queries, gains) on fresh random inputs, float32 to
 1e-5 relative (to the largest element of the reference); bfloat16 against the
-float32 computation on the same inputs, to 1e-2 or 1.5x the bfloat16
+float32 computation on the same inputs, to 1e-2 or 2x the bfloat16
 reference's worst error, whichever is larger (rounding compounds in deep stacks).
 """
 
@@ -103,8 +103,12 @@ def assert_matches(dtype, got, want, exact):
   bf16 reference is up to 1.4% off, and which leaf is worst differs between
   the paths). Both are measured against the fp32 computation on the same
   (bf16-valued) inputs, ``exact()``: every leaf of the kernel's within the
-  tolerance or 1.5x the bf16 reference's worst leaf, whichever is larger (a
-  wrong element is O(1))."""
+  tolerance or 2x the bf16 reference's worst leaf, whichever is larger (a
+  wrong element is O(1)). The kernels round once more than the reference
+  where a group of sites routes on tensor cores: the softmax weights go
+  into the bf16 product as bf16 (as FlashAttention's); at 18 sites, D = 64,
+  that takes the worst leaf from 8.0e-3 (weights kept fp32) to 9.8e-3,
+  1.66x the reference's 5.9e-3 (RESULTS.md, session 27)."""
   if dtype == jnp.float32:
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       assert rel(a, b) <= TOL[dtype], rel(a, b)
@@ -115,8 +119,8 @@ def assert_matches(dtype, got, want, exact):
   errs = [rel(a, c) for a, c in zip(jax.tree.leaves(got),
                                     jax.tree.leaves(exact))]
   bad = [(k, e) for k, e in enumerate(errs)
-         if e > max(TOL[dtype], 1.5 * ref_err)]
-  assert not bad, f"(leaf, error) over 1.5x {ref_err:.2e}: {bad}"
+         if e > max(TOL[dtype], 2 * ref_err)]
+  assert not bad, f"(leaf, error) over 2x {ref_err:.2e}: {bad}"
   print(f"bf16: worst leaf {max(errs):.2e}, bf16 reference's {ref_err:.2e}")
 
 
@@ -251,7 +255,9 @@ def test_triton_stack_recomputed_site_outputs(dtype, lead, d, heads, n, blocks,
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("d,heads,gv,s", [(1280, 8, 16, 31), (512, 16, 9, 9),
-                                          (1024, 8, 2, 49), (1280, 8, 1, 5)])
+                                          (1024, 8, 2, 49), (1280, 8, 1, 5),
+                                          # C = 16; S whole source blocks
+                                          (64, 4, 4, 16), (1280, 8, 3, 32)])
 def test_causal_sites_kernel_against_jnp(dtype, d, heads, gv, s):
   """``sites_kernel`` with ``causal``: G consecutive sites, site g over the
   first S - G + g + 1 rows of a source buffer (rows past S hold other
@@ -280,7 +286,9 @@ def test_causal_sites_kernel_against_jnp(dtype, d, heads, gv, s):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("d,heads,gv,m", [(1280, 8, 16, 37), (512, 16, 9, 5),
-                                          (1024, 8, 16, 1), (1280, 8, 16, 32)])
+                                          (1024, 8, 16, 1), (1280, 8, 16, 32),
+                                          # C = 16; 16 rows (whole blocks)
+                                          (64, 4, 4, 9), (1280, 8, 4, 9)])
 def test_group_kernels_match_reference(dtype, d, heads, gv, m):
   """The tensor-core kernels alone on fresh inputs against their jnp
   references (fp32 computed at the highest matmul precision): G sites over
