@@ -1,6 +1,7 @@
 """Routing G sites at once on tensor cores against the per-site kernels.
 
     python3 benchmarks/depth_attention.py --sizes 32768x37 --sites 16
+    python3 benchmarks/depth_attention.py --configs 16x1x3,16x1x3x16x1
 
 Routing G sites over the same S sources is, per token and head, attention
 with the G queries ``t_g`` (``[G, C]``) and the sources as keys and values
@@ -19,7 +20,8 @@ inputs (all given the inverse RMS), each checked against the jnp reference.
 
 Precision: the queries enter the first product as two bf16 terms (hi + lo,
 ~16 mantissa bits, like fp32 logits to ~1e-5); the weights enter the second
-in bf16 (as FlashAttention's), so outputs match the reference to bf16
+in bf16 (as FlashAttention's; a config's fifth field 1: as two terms,
+``SITES_TUNING["split_weights"]``), so outputs match the reference to bf16
 rounding, not fp32's.
 """
 
@@ -42,7 +44,8 @@ def main():
   ap.add_argument("--sites", type=int, default=16)
   ap.add_argument("--configs", default="16x1x3,16x2x3,32x1x3,16x1x4,16x1x2",
                   help="tokens a program x warps x pipeline stages [x "
-                  "sources a block] of triton_stack.sites_kernel")
+                  "sources a block [x split weights, 0 or 1]] of "
+                  "triton_stack.sites_kernel")
   ap.add_argument("--json", default="")
   a = ap.parse_args()
   import jax
@@ -55,6 +58,7 @@ def main():
         f"H={a.h} G={a.sites} bf16", flush=True)
   rows = []
   default_block = triton_stack.SITES_TUNING["source_block"]
+  default_split = triton_stack.SITES_TUNING["split_weights"]
   for size in a.sizes.split(","):
     n, s = map(int, size.split("x"))
     ks = jax.random.split(jax.random.key(s), 3)
@@ -64,8 +68,10 @@ def main():
     srcs = [x[i] for i in range(s)]
     rs = [r[i] for i in range(s)]
     plan = stack._Plan(a.h, 1e-6, "reference")
-    want, want_lse = jax.jit(lambda srcs, t, rs: stack._sites(
-        srcs, t.reshape(a.sites, a.h, -1), rs, plan))(srcs, t, rs)
+    with jax.default_matmul_precision("highest"):   # fp32, to compare with
+      want, want_lse = jax.jit(lambda srcs, t, rs: stack._sites(
+          [v.astype(jnp.float32) for v in srcs], t.reshape(a.sites, a.h, -1),
+          rs, plan))(srcs, t, rs)
     cfg = triton_route._make_cfg(a.d, a.h, 1e-6, True, None, ())
     lib_g = jax.jit(lambda srcs, t, rs: triton_route._fwd_impl(
         tuple(srcs), t, cfg, rs=tuple(rs)))
@@ -82,8 +88,10 @@ def main():
       parts = list(map(int, cfg_s.split("x")))
       bt, w, st = parts[:3]
       sb = parts[3] if len(parts) > 3 else default_block
+      split = bool(parts[4]) if len(parts) > 4 else default_split
       triton_stack.SITES_TUNING.update(tokens_per_program=bt, warps=w,
-                                       stages=st, source_block=sb)
+                                       stages=st, source_block=sb,
+                                       split_weights=split)
       fn = jax.jit(lambda x, r, t: triton_stack.sites_local(x, r, s, t, a.h))
       try:
         out, lse = fn(x, r, t)
@@ -96,7 +104,8 @@ def main():
         print(f"  {n}x{s} {cfg_s}: ERROR {ex!r}"[:400], flush=True)
         continue
       res[f"depth attention {cfg_s}"] = ms
-      print(f"  {n}x{s} depth attention BTxWxSTAGES[xSB] {cfg_s}: {ms:.3f} ms, "
+      print(f"  {n}x{s} depth attention BTxWxSTAGES[xSB[xSPLIT]] {cfg_s}: "
+            f"{ms:.3f} ms, "
             f"{100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs:.1f}% of copy "
             f"(S + G arrays), out rel err {err:.1e}, lse abs err {lerr:.1e}",
             flush=True)

@@ -79,7 +79,8 @@ def grads(impl, h, params, queries, gains, cot, heads, blocks=None,
     # ... and the backward's groups of sources (sources [9, 25) from 25..40)
     ((2, 37), 64, 4, 40, None, 16)])
 def test_triton_stack_matches_reference(dtype, lead, d, heads, n, blocks,
-                                        site_group):
+                                        site_group, ratio=2.5,
+                                        floor=TOL[jnp.bfloat16]):
   ks = jax.random.split(jax.random.key(d + n), 6)
   h = (jax.random.normal(ks[0], (*lead, d)) * 2 + 0.5).astype(dtype)
   params = tuple({"w": jax.random.normal(k, (d, d)) / np.sqrt(d),
@@ -93,18 +94,19 @@ def test_triton_stack_matches_reference(dtype, lead, d, heads, n, blocks,
   want = grads("reference", h, params, queries, gains, cot, heads, blocks)
   assert_matches(dtype, got, want, lambda: grads(
       "reference", h.astype(jnp.float32), params, queries, gains, cot, heads,
-      blocks))
+      blocks), ratio, floor)
 
 
-def assert_matches(dtype, got, want, exact):
+def assert_matches(dtype, got, want, exact, ratio=2.5,
+                   floor=TOL[jnp.bfloat16]):
   """Every leaf of the kernels' ``got`` against the reference's ``want``:
   float32 within 1e-5. bf16: both paths round at every sublayer,
   differently, and in a deep stack the rounding compounds (at n = 40 the
   bf16 reference is up to 1.4% off, and which leaf is worst differs between
   the paths). Both are measured against the fp32 computation on the same
-  (bf16-valued) inputs, ``exact()``: every leaf of the kernel's within the
-  tolerance or 2.5x the bf16 reference's worst leaf, whichever is larger
-  (a wrong element is O(1)). The kernels round once more than the
+  (bf16-valued) inputs, ``exact()``: every leaf of the kernel's within
+  ``floor`` or ``ratio`` x the bf16 reference's worst leaf, whichever is
+  larger (a wrong element is O(1)). The kernels round once more than the
   reference where a group of sites routes on tensor cores: the softmax
   weights go into the bf16 product as bf16 (as FlashAttention's). At 18
   sites, D = 64 (``lead9``) that puts one leaf at 9.8e-3 and 1.07e-2 in two
@@ -120,9 +122,21 @@ def assert_matches(dtype, got, want, exact):
   errs = [rel(a, c) for a, c in zip(jax.tree.leaves(got),
                                     jax.tree.leaves(exact))]
   bad = [(k, e) for k, e in enumerate(errs)
-         if e > max(TOL[dtype], 2.5 * ref_err)]
-  assert not bad, f"(leaf, error) over 2.5x {ref_err:.2e}: {bad}"
+         if e > max(floor, ratio * ref_err)]
+  assert not bad, f"(leaf, error) over {ratio}x {ref_err:.2e}: {bad}"
   print(f"bf16: worst leaf {max(errs):.2e}, bf16 reference's {ref_err:.2e}")
+
+
+def test_triton_stack_split_weights(monkeypatch):
+  """bf16, ``SITES_TUNING["split_weights"]``: the tensor-core groups' softmax
+  weights as two bf16 terms. ``lead9`` of the test above (18 sites, D = 64,
+  groups of 16), whose worst leaf was 1.66x-2.02x the bf16 reference's with
+  the weights as one term and 1.35x with them in fp32 (RESULTS.md session
+  27), within 1.5x."""
+  from mhar_jax.kernels import triton_stack
+  monkeypatch.setitem(triton_stack.SITES_TUNING, "split_weights", True)
+  test_triton_stack_matches_reference(jnp.bfloat16, (2, 37), 64, 4, 18, None,
+                                      16, ratio=1.5, floor=0.0)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -475,6 +475,31 @@ def test_sites_kernel_matches_jnp_sites(kernel_module, n, d, h, rows, s, g,
   np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("split_weights", [False, True])
+def test_sites_kernel_16bit_launch(kernel_module, monkeypatch, split_weights):
+  """``sites_kernel`` launched for bf16 sources (the LOWP path: queries as
+  two terms, the weights as one or, ``split_weights``, two): indexing and
+  math against ``stack._sites_jnp`` on the same values in fp32, to the bf16
+  output's rounding (the interpreter multiplies in fp32, so the terms'
+  rounding itself is the GPU tests')."""
+  ts = kernel_module
+  n, d, h, rows, s, g = 5, 320, 2, 22, 19, 16
+  rng = np.random.default_rng(n + d + s)
+  x = jnp.asarray(rng.normal(size=(rows, n, d)) * 1.3, jnp.bfloat16)
+  r = reference.inv_rms(x[:s], 1e-6)
+  t = jnp.asarray(0.5 * rng.normal(size=(g, d)) / np.sqrt(d / h), jnp.float32)
+  want, want_lse = stack._sites_jnp(x[:s].astype(jnp.float32),
+                                    t.reshape(g, h, -1), r, h)
+  monkeypatch.setattr(ts.tr, "_launch", interpreted_launch)
+  monkeypatch.setitem(ts.SITES_TUNING, "tokens_per_program", 2)
+  monkeypatch.setitem(ts.SITES_TUNING, "split_weights", split_weights)
+  out, lse = ts.sites_local(x, r, s, t, h)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out, np.float32), want,
+                             rtol=1e-2, atol=1e-2)
+  np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
 def test_sites_supported(kernel_module):
   ok = kernel_module.sites_supported
   assert ok(1280, 8, 16) and ok(1024, 8, 9)

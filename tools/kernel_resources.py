@@ -223,7 +223,7 @@ def main(argv=None):
   runs["sites"] = (ts.sites_kernel, {"x_ptr", "out_ptr"}, dict(
       tr.tile_meta(a.d, a.h), G=16, SB=tu["source_block"],
       BT=tu["tokens_per_program"], STAGES=tu["stages"], LOWP=True,
-      EVEN_S=a.even_sites))
+      EVEN_S=a.even_sites, CAUSAL=False, SPLIT_P=tu["split_weights"]))
   tu = ts.SOURCES_TUNING
   for name, nx in (("sources", 1), ("sources_4buffers", ts.SOURCES_BUFFERS)):
     runs[name] = (ts.sources_kernel, {"s_ptr", "dx_ptr", "dx1_ptr", "dx2_ptr",

@@ -484,9 +484,16 @@ def source_grad(s, r, dX, t, lse, xd, i: int, h: int, mesh=None,
 # (each with its own pipelined loop over blocks; since removed) at 4 warps,
 # 0.63x at 2 warps and 0.57x at 1 warp (74% of copy bandwidth; 253
 # registers, 8 programs an SM). Groups of fewer than ``min_sites`` sites use
-# triton_route's G-site launch (the kernel pads G to 16).
+# triton_route's G-site launch (the kernel pads G to 16), unless the stack
+# saves its source buffer (``stack._forward``). ``split_weights`` (16-bit
+# sources): the softmax weights enter the weighted sum as two 16-bit terms
+# (~16 bits, one more product a block) instead of one (8 bits for bf16, as
+# FlashAttention's). In a bf16 stack of 18 sites the weights' rounding took
+# the worst gradient from 8.0e-3 (fp32 weights) to 9.8e-3 of the fp32
+# computation's (RESULTS.md session 27). Untimed, so off.
 SITES_TUNING: dict = {"tokens_per_program": 16, "warps": 1, "stages": 3,
-                      "source_block": 16, "min_sites": 8}
+                      "source_block": 16, "min_sites": 8,
+                      "split_weights": False}
 
 
 @triton.jit
@@ -543,9 +550,11 @@ def _flat_step(it, nb, tile, N, BT: tl.constexpr, B: tl.constexpr):
 def _sites_block(xp, rp, sm, cm, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m,
                  lsum, acca, accb, CA: tl.constexpr, CB: tl.constexpr,
                  LOWP: tl.constexpr, EVEN_S: tl.constexpr,
-                 FULL_B: tl.constexpr, CAUSAL: tl.constexpr):
+                 FULL_B: tl.constexpr, CAUSAL: tl.constexpr,
+                 SPLIT_P: tl.constexpr):
   """One block of SB sources at one token and head folded into G sites'
-  online softmax ``(m, lsum, acca, accb)`` (``m`` -inf: a fresh start).
+  online softmax ``(m, lsum, acca, accb)`` (``m`` -inf: a fresh start);
+  SPLIT_P (with LOWP): the weights as two 16-bit terms in the sum.
 
   ``xp`` points at the block's rows (``[SB]`` row pointers, the head's first
   channel), ``rp`` at their inverse RMS, ``sm [SB]`` which sources exist,
@@ -573,10 +582,16 @@ def _sites_block(xp, rp, sm, cm, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m,
   alpha = tl.exp(m - m_new)                  # 0 on a fresh start
   p = tl.exp(logit - m_new[:, None])
   lsum = lsum * alpha + tl.sum(p, axis=1)
-  po = p.to(xa.dtype)
-  acca = acca * alpha[:, None] + _dot(po, xa, LOWP)
-  if CB > 0:
-    accb = accb * alpha[:, None] + _dot(po, xb, LOWP)
+  if LOWP and SPLIT_P:
+    p_hi, p_lo = _split(p, xa.dtype, LOWP)
+    acca = acca * alpha[:, None] + _dot2(p_hi, p_lo, xa, LOWP)
+    if CB > 0:
+      accb = accb * alpha[:, None] + _dot2(p_hi, p_lo, xb, LOWP)
+  else:
+    po = p.to(xa.dtype)
+    acca = acca * alpha[:, None] + _dot(po, xa, LOWP)
+    if CB > 0:
+      accb = accb * alpha[:, None] + _dot(po, xb, LOWP)
   return m_new, lsum, acca, accb
 
 
@@ -603,7 +618,7 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
                  CA: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
                  SB: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
                  LOWP: tl.constexpr, EVEN_S: tl.constexpr,
-                 CAUSAL: tl.constexpr):
+                 CAUSAL: tl.constexpr, SPLIT_P: tl.constexpr):
   """BT tokens of head ``program_id(1)``: GV sites over the first S sources.
 
   ``x_ptr [R, N, D]`` (R >= S rows of sources), ``r_ptr [S, N]`` fp32 inverse
@@ -623,7 +638,8 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
   ``[0, CA)`` and ``[CA, C)`` (CB lanes, masked; CB = 0: none) of
   ``triton_route.head_parts``. LOWP (16-bit sources): products in the
   sources' dtype, the queries as two terms (hi + lo), the softmax weights
-  rounded once, as FlashAttention's; otherwise exact fp32 products. EVEN_S:
+  rounded once, as FlashAttention's (SPLIT_P: two terms too); otherwise
+  exact fp32 products. EVEN_S:
   S is a multiple of SB (the source loop unmasked). One software-pipelined
   loop over (token, block) pairs, so the next token's first blocks load
   while this token's last ones are summed (tokens past N redo token N - 1
@@ -670,7 +686,7 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
         x_ptr + s0 * nd + srow + row, r_ptr + (s0 + sb) * n64 + n,
         s0 + sb < S, (s0 + sb)[None, :] <= glast[:, None], ta_hi, ta_lo,
         tb_hi, tb_lo, ca, cb, cbm, m, lsum, acca, accb, CA, CB, LOWP, EVEN_S,
-        FULL_B, CAUSAL)
+        FULL_B, CAUSAL, SPLIT_P)
     if s0 + SB >= S:
       _sites_store(out_ptr, lse_ptr, gout + row, glse + n * H,
                    tl.where(nn < N, gm, False), ca, cb, cbm, m, lsum, acca,
@@ -708,7 +724,8 @@ def sites_local(x, r, s: int, t, h: int, causal: bool = False):
       "sites_local", sites_kernel, SITES_TUNING, [x, r.astype(jnp.float32), t],
       [int(s), g, n], [jax.ShapeDtypeStruct((g, n, d), x.dtype),
                        jax.ShapeDtypeStruct((g, n, h), jnp.float32)],
-      x.dtype, n, d, h, g, SB=sb, EVEN_S=s % sb == 0, CAUSAL=bool(causal))
+      x.dtype, n, d, h, g, SB=sb, EVEN_S=s % sb == 0, CAUSAL=bool(causal),
+      SPLIT_P=bool(SITES_TUNING["split_weights"]))
 
 
 def _group_launch(name, kernel, tu, inputs, scalars, out_shapes, dtype, n, d,
