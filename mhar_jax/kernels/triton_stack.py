@@ -488,9 +488,10 @@ def source_grad(s, r, dX, t, lse, xd, i: int, h: int, mesh=None,
 # saves its source buffer (``stack._forward``). ``split_weights`` (16-bit
 # sources): the softmax weights enter the weighted sum as two 16-bit terms
 # (~16 bits, one more product a block) instead of one (8 bits for bf16, as
-# FlashAttention's). In a bf16 stack of 18 sites the weights' rounding took
-# the worst gradient from 8.0e-3 (fp32 weights) to 9.8e-3 of the fp32
-# computation's (RESULTS.md session 27). Untimed, so off.
+# FlashAttention's). In a bf16 stack of 18 sites (a GPU test) the weights'
+# rounding took the worst gradient's error against the fp32 computation
+# from 8.0e-3 (fp32 weights) to 9.8e-3 (RESULTS.md session 27). Untimed, so
+# off.
 SITES_TUNING: dict = {"tokens_per_program": 16, "warps": 1, "stages": 3,
                       "source_block": 16, "min_sites": 8,
                       "split_weights": False}
@@ -639,11 +640,10 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
   ``triton_route.head_parts``. LOWP (16-bit sources): products in the
   sources' dtype, the queries as two terms (hi + lo), the softmax weights
   rounded once, as FlashAttention's (SPLIT_P: two terms too); otherwise
-  exact fp32 products. EVEN_S:
-  S is a multiple of SB (the source loop unmasked). One software-pipelined
-  loop over (token, block) pairs, so the next token's first blocks load
-  while this token's last ones are summed (tokens past N redo token N - 1
-  unstored).
+  exact fp32 products. EVEN_S: S is a multiple of SB (the source loop
+  unmasked). One software-pipelined loop over (token, block) pairs, so the
+  next token's first blocks load while this token's last ones are summed
+  (tokens past N redo token N - 1 unstored).
   """
   tile = tl.program_id(0)
   h = tl.program_id(1)
