@@ -12,6 +12,7 @@
 #   outputs  the sites' outputs recomputed (recompute_site_outputs): the
 #            causal sites kernel, the stack with norm (f32, bf16)
 #   route    tests/test_triton_route.py (route() alone)
+#   split    the sites kernel's split weights against one term (bf16 lead9)
 # Each part's verbose output goes to $OUT/gpu-tests-PART.txt (so a part cut
 # by its timeout still says which cases passed); its last lines are printed.
 set -uo pipefail
@@ -23,17 +24,18 @@ declare -A SEL=(
   [f32]="matches_reference and float32"
   [bf16]="matches_reference and bfloat16 or split_weights"
   [rms]="inverse_rms" [decoder]="decoder"
-  [outputs]="recomputed_site_outputs or causal_sites")
+  [outputs]="recomputed_site_outputs or causal_sites"
+  [split]="split_weights or (matches_reference and bfloat16 and lead9)")
 for part in ${@:-ffi kernels f32 bf16 rms decoder route outputs}; do
   if [[ $part == route ]]; then
     args=(tests/test_triton_route.py)
   elif [[ -n ${SEL[$part]:-} ]]; then
     args=(tests/test_stack_gpu.py -k "${SEL[$part]}")
   else
-    echo "gpu_tests.sh: no part '$part' (ffi kernels f32 bf16 rms decoder route outputs)"
+    echo "gpu_tests.sh: no part '$part' (ffi kernels f32 bf16 rms decoder route outputs split)"
     exit 2
   fi
-  timeout "$TIMEOUT" python3 -m pytest -o addopts="" -v --tb=short \
+  timeout "$TIMEOUT" python3 -m pytest -o addopts="" -v --tb=short -rP \
     -p no:warnings --durations=5 "${args[@]}" > "$OUT/gpu-tests-$part.txt" 2>&1
   rc=$?
   echo "== $part (rc $rc$([[ $rc == 124 ]] && echo ': cut by the timeout'))"
