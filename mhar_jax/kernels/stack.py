@@ -309,9 +309,9 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
   ``partials``/``partial_r`` (per site: the partial sum it reads, or None;
   sites 0 .. n-1, the final site reads none; recomputing, no partial sums
   but their inv-RMS), the sites' outputs (with ``norm``: None but the
-  last's) and log-sum-exps, the sublayers' VJPs (of ``apply`` alone when recomputing
-  the sources or with ``norm``), ``t = query * gain`` and the projections'
-  inputs ``us`` (None unless recomputing)."""
+  last's) and log-sum-exps, the sublayers' VJPs (of ``apply`` alone when
+  recomputing the sources or with ``norm``), ``t = query * gain`` and the
+  projections' inputs ``us`` (None unless recomputing)."""
   apply, project, norm = fns
   recompute = project is not None
   t = (queries.astype(jnp.float32) * gains.astype(jnp.float32)).reshape(
