@@ -436,6 +436,18 @@ def test_routed_stack_recomputes_site_outputs(kernel_module, monkeypatch, n,
       assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * max(scale, 1e-6), scale
 
 
+def _sites_problem(n, d, h, rows, s, g, dtype, causal=False):
+  """``(x [rows, n, d]`` in ``dtype``, ``r`` the first ``s`` rows' inverse
+  RMS, ``t [g, d]``, ``stack._sites_jnp``'s ``(out, lse)`` of the ``g``
+  sites over those rows in fp32)``."""
+  rng = np.random.default_rng(n + d + s)
+  x = jnp.asarray(rng.normal(size=(rows, n, d)) * 1.3, dtype)
+  r = reference.inv_rms(x[:s], 1e-6)
+  t = jnp.asarray(0.5 * rng.normal(size=(g, d)) / np.sqrt(d / h), jnp.float32)
+  return x, r, t, stack._sites_jnp(x[:s].astype(jnp.float32),
+                                   t.reshape(g, h, -1), r, h, causal)
+
+
 @pytest.mark.parametrize("n,d,h,rows,s,g,bt,sb,causal", [
     (5, 320, 2, 22, 19, 16, 2, 16, False),  # C = 160 = 128 + 32; two blocks
     (3, 64, 4, 7, 7, 5, 4, 16, False),      # C = 16: one part; 5 of 16 rows
@@ -455,11 +467,8 @@ def test_sites_kernel_matches_jnp_sites(kernel_module, n, d, h, rows, s, g,
   ``stack._sites_jnp``; fp32 operands (the interpreter's bf16 products are
   wrong: the GPU tests check those)."""
   ts = kernel_module
-  rng = np.random.default_rng(n + d + s)
-  x = jnp.asarray(rng.normal(size=(rows, n, d)) * 1.3, jnp.float32)
-  r = reference.inv_rms(x[:s], 1e-6)
-  t = jnp.asarray(0.5 * rng.normal(size=(g, d)) / np.sqrt(d / h), jnp.float32)
-  want, want_lse = stack._sites_jnp(x[:s], t.reshape(g, h, -1), r, h, causal)
+  x, r, t, (want, want_lse) = _sites_problem(n, d, h, rows, s, g, jnp.float32,
+                                             causal)
   if causal:    # each site as the plain kernel over its own first rows
     for k in range(g):
       one = stack._sites_jnp(x[:s - g + k + 1], t[k:k + 1].reshape(1, h, -1),
@@ -484,12 +493,8 @@ def test_sites_kernel_16bit_launch(kernel_module, monkeypatch, split_weights):
   rounding itself is the GPU tests')."""
   ts = kernel_module
   n, d, h, rows, s, g = 5, 320, 2, 22, 19, 16
-  rng = np.random.default_rng(n + d + s)
-  x = jnp.asarray(rng.normal(size=(rows, n, d)) * 1.3, jnp.bfloat16)
-  r = reference.inv_rms(x[:s], 1e-6)
-  t = jnp.asarray(0.5 * rng.normal(size=(g, d)) / np.sqrt(d / h), jnp.float32)
-  want, want_lse = stack._sites_jnp(x[:s].astype(jnp.float32),
-                                    t.reshape(g, h, -1), r, h)
+  x, r, t, (want, want_lse) = _sites_problem(n, d, h, rows, s, g,
+                                             jnp.bfloat16)
   monkeypatch.setattr(ts.tr, "_launch", interpreted_launch)
   monkeypatch.setitem(ts.SITES_TUNING, "tokens_per_program", 2)
   monkeypatch.setitem(ts.SITES_TUNING, "split_weights", split_weights)

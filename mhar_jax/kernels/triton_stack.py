@@ -583,17 +583,22 @@ def _sites_block(xp, rp, sm, cm, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m,
   alpha = tl.exp(m - m_new)                  # 0 on a fresh start
   p = tl.exp(logit - m_new[:, None])
   lsum = lsum * alpha + tl.sum(p, axis=1)
-  if LOWP and SPLIT_P:
-    p_hi, p_lo = _split(p, xa.dtype, LOWP)
-    acca = acca * alpha[:, None] + _dot2(p_hi, p_lo, xa, LOWP)
-    if CB > 0:
-      accb = accb * alpha[:, None] + _dot2(p_hi, p_lo, xb, LOWP)
-  else:
-    po = p.to(xa.dtype)
-    acca = acca * alpha[:, None] + _dot(po, xa, LOWP)
-    if CB > 0:
-      accb = accb * alpha[:, None] + _dot(po, xb, LOWP)
+  acca = acca * alpha[:, None] + _weighted(p, xa, LOWP, SPLIT_P)
+  if CB > 0:
+    accb = accb * alpha[:, None] + _weighted(p, xb, LOWP, SPLIT_P)
   return m_new, lsum, acca, accb
+
+
+@triton.jit
+def _weighted(p, x, LOWP: tl.constexpr, SPLIT_P: tl.constexpr):
+  """``p @ x``, fp32 weights ``p [G, SB]`` on sources ``x [SB, C]``: with
+  LOWP in ``x``'s dtype, ``p`` rounded once (as FlashAttention's) or, SPLIT_P,
+  as two terms; otherwise exact fp32."""
+  if LOWP and SPLIT_P:
+    hi, lo = _split(p, x.dtype, LOWP)
+    return _dot2(hi, lo, x, LOWP)
+  else:
+    return _dot(p.to(x.dtype), x, LOWP)
 
 
 @triton.jit
