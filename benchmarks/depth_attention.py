@@ -20,9 +20,9 @@ inputs (all given the inverse RMS), each checked against the jnp reference.
 
 Precision: the queries enter the first product as two bf16 terms (hi + lo,
 ~16 mantissa bits, like fp32 logits to ~1e-5); the weights enter the second
-in bf16 (as FlashAttention's; a config's fifth field 1: as two terms,
-``SITES_TUNING["split_weights"]``), so outputs match the reference to bf16
-rounding, not fp32's.
+as two bf16 terms or one (as FlashAttention's; a config's fifth field, 1 or 0,
+``SITES_TUNING["split_weights"]``, default 1), so outputs match the reference
+to bf16 rounding, not fp32's.
 """
 
 from __future__ import annotations

@@ -6,13 +6,13 @@
 #   ffi      the stack with every kernel launched through the typed-FFI call
 #   kernels  the group kernels and the query-gain product
 #   f32      the stack against the reference, float32
-#   bf16     ... bfloat16 (and with the sites kernel's split weights)
+#   bf16     ... bfloat16 (and with the sites kernel's weights as one term)
 #   rms      the stack with the forward kernel computing the inverse RMS
 #   decoder  the decoder's source-major backward
 #   outputs  the sites' outputs recomputed (recompute_site_outputs): the
 #            causal sites kernel, the stack with norm (f32, bf16)
 #   route    tests/test_triton_route.py (route() alone)
-#   split    the sites kernel's split weights against one term (bf16 lead9)
+#   split    the sites kernel's weights as two terms (default) and one (bf16 lead9)
 # Each part's verbose output goes to $OUT/gpu-tests-PART.txt (so a part cut
 # by its timeout still says which cases passed); its last lines are printed.
 set -uo pipefail

@@ -4,7 +4,7 @@ Skipped unless JAX's default backend is a GPU and jax_triton imports (run on
 the device with ``JAX_PLATFORMS=cuda``). Values and gradients (embedding,
 every sublayer parameter, queries, gains) on fresh random inputs, float32 to
 1e-5 relative (to the largest element of the reference); bfloat16 against the
-float32 computation on the same inputs, to 1e-2 or 2.5x the bfloat16
+float32 computation on the same inputs, to 1e-2 or 1.5x the bfloat16
 reference's worst error, whichever is larger (rounding compounds in deep stacks).
 """
 
@@ -79,7 +79,7 @@ def grads(impl, h, params, queries, gains, cot, heads, blocks=None,
     # ... and the backward's groups of sources (sources [9, 25) from 25..40)
     ((2, 37), 64, 4, 40, None, 16)])
 def test_triton_stack_matches_reference(dtype, lead, d, heads, n, blocks,
-                                        site_group, ratio=2.5,
+                                        site_group, ratio=1.5,
                                         floor=TOL[jnp.bfloat16]):
   ks = jax.random.split(jax.random.key(d + n), 6)
   h = (jax.random.normal(ks[0], (*lead, d)) * 2 + 0.5).astype(dtype)
@@ -97,7 +97,7 @@ def test_triton_stack_matches_reference(dtype, lead, d, heads, n, blocks,
       blocks), ratio, floor)
 
 
-def assert_matches(dtype, got, want, exact, ratio=2.5,
+def assert_matches(dtype, got, want, exact, ratio=1.5,
                    floor=TOL[jnp.bfloat16]):
   """Every leaf of the kernels' ``got`` against the reference's ``want``:
   float32 within 1e-5. bf16: both paths round at every sublayer,
@@ -106,12 +106,7 @@ def assert_matches(dtype, got, want, exact, ratio=2.5,
   the paths). Both are measured against the fp32 computation on the same
   (bf16-valued) inputs, ``exact()``: every leaf of the kernel's within
   ``floor`` or ``ratio`` x the bf16 reference's worst leaf, whichever is
-  larger (a wrong element is O(1)). The kernels round once more than the
-  reference where a group of sites routes on tensor cores: the softmax
-  weights go into the bf16 product as bf16 (as FlashAttention's). At 18
-  sites, D = 64 (``lead9``) that puts one leaf at 9.8e-3 and 1.07e-2 in two
-  runs, 1.66x and 2.02x the reference's worst (5.9e-3, 5.3e-3); with the
-  weights kept fp32, 8.0e-3 (RESULTS.md, session 27)."""
+  larger (a wrong element is O(1))."""
   if dtype == jnp.float32:
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       assert rel(a, b) <= TOL[dtype], rel(a, b)
@@ -127,16 +122,17 @@ def assert_matches(dtype, got, want, exact, ratio=2.5,
   print(f"bf16: worst leaf {max(errs):.2e}, bf16 reference's {ref_err:.2e}")
 
 
-def test_triton_stack_split_weights(monkeypatch):
-  """bf16, ``SITES_TUNING["split_weights"]``: the tensor-core groups' softmax
-  weights as two bf16 terms. ``lead9`` of the test above (18 sites, D = 64,
-  groups of 16), whose worst leaf was 1.66x-2.02x the bf16 reference's with
-  the weights as one term and 1.35x with them in fp32 (RESULTS.md session
-  27), within 1.5x."""
+def test_triton_stack_split_weights_off(monkeypatch):
+  """bf16 with ``SITES_TUNING["split_weights"]`` off: the tensor-core groups'
+  softmax weights go into the bf16 product as one bf16 term (as
+  FlashAttention's), a rounding the reference does not make. ``lead9`` of the
+  test above (18 sites, D = 64, groups of 16) put one leaf at 1.66x-2.02x the
+  bf16 reference's worst error this way (1.41x with two terms, the default;
+  RESULTS.md sessions 27-28): within 2.5x."""
   from mhar_jax.kernels import triton_stack
-  monkeypatch.setitem(triton_stack.SITES_TUNING, "split_weights", True)
+  monkeypatch.setitem(triton_stack.SITES_TUNING, "split_weights", False)
   test_triton_stack_matches_reference(jnp.bfloat16, (2, 37), 64, 4, 18, None,
-                                      16, ratio=1.5, floor=0.0)
+                                      16, ratio=2.5)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -488,13 +488,14 @@ def source_grad(s, r, dX, t, lse, xd, i: int, h: int, mesh=None,
 # saves its source buffer (``stack._forward``). ``split_weights`` (16-bit
 # sources): the softmax weights enter the weighted sum as two 16-bit terms
 # (~16 bits, one more product a block) instead of one (8 bits for bf16, as
-# FlashAttention's). In a bf16 stack of 18 sites (a GPU test) the weights'
-# rounding took the worst gradient's error against the fp32 computation
-# from 8.0e-3 (fp32 weights) to 9.8e-3 (RESULTS.md session 27). Untimed, so
-# off.
+# FlashAttention's). In a bf16 stack of 18 sites (a GPU test) one term took
+# the worst gradient's error against the fp32 computation to 2.0x the bf16
+# reference's, two terms to 1.41x (fp32 weights: 1.35x); two terms cost 0,
+# 1.6% and 2.2% of the kernel's time at 16, 37 and 73 sources (D 1280, one
+# H100; RESULTS.md sessions 27-28).
 SITES_TUNING: dict = {"tokens_per_program": 16, "warps": 1, "stages": 3,
                       "source_block": 16, "min_sites": 8,
-                      "split_weights": False}
+                      "split_weights": True}
 
 
 @triton.jit
