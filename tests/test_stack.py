@@ -208,15 +208,22 @@ def normed(j, p, x, consts):
   return toy_sublayer(j, p, toy_norm(j, p, x), consts)
 
 
-@pytest.mark.parametrize("blocks,site_group,buffers", [
-    (None, 0, False), (None, 0, True), (None, 2, True), (None, 4, False),
-    (None, 3, True), ((0, 0, 1, 1, 1, 2), 0, True),
-    ((0, 0, 1, 1, 1, 2), 0, False), ((0, 0, 0, 1, 1, 1), 2, True)])
-def test_recomputed_site_outputs_match_the_loop(blocks, site_group, buffers):
-  """With ``norm`` the forward keeps no site's output but the last, and the
-  backward recomputes each from the sources (full method: a group of sites
-  at once, each over its own first sources; blocks: site by site) before
-  the norm's gradient: values and every gradient (the norms' gains too)
+@pytest.mark.parametrize("blocks,site_group,buffers,below", [
+    (None, 0, False, None), (None, 0, True, None), (None, 2, True, None),
+    (None, 4, False, None), (None, 3, True, None),
+    ((0, 0, 1, 1, 1, 2), 0, True, None), ((0, 0, 1, 1, 1, 2), 0, False, None),
+    ((0, 0, 0, 1, 1, 1), 2, True, None),
+    # the lowest sites only: groups (0, 2), (2, 5), (5, 7) cut at site 3
+    (None, 3, True, 3), (None, 3, False, 4), (None, 0, True, 2),
+    ((0, 0, 1, 1, 1, 2), 0, True, 3), ((0, 0, 0, 1, 1, 1), 2, True, 4),
+    (None, 3, True, 0)])
+def test_recomputed_site_outputs_match_the_loop(blocks, site_group, buffers,
+                                                below):
+  """With ``norm`` the forward keeps no site's output below ``below`` (all
+  but the last: ``None``), and the backward recomputes each from the
+  sources (full method: a group of sites at once, each over its own first
+  sources, the group cut at ``below``; blocks: site by site) before the
+  norm's gradient: values and every gradient (the norms' gains too)
   against autodiff of the loop of whole sublayers."""
   from mhar_jax.kernels import stack
   n, num_heads = 6, 4
@@ -225,12 +232,14 @@ def test_recomputed_site_outputs_match_the_loop(blocks, site_group, buffers):
       jax.random.key(j), (16,))) for j, p in enumerate(params))
   blk = tuple(range(n)) if blocks is None else blocks
   plan = stack._Plan(num_heads, 1e-6, "reference", blocks=blk,
-                     buffers=buffers, site_group=site_group)
+                     buffers=buffers, site_group=site_group,
+                     recompute_below=below)
   assert_stack_is_the_block_loop(plan, (toy_sublayer, None, toy_norm), normed,
                                  h, params, queries, gains, consts, cot)
   xs = stack._forward(h, params, queries, gains, consts,
                       (toy_sublayer, None, toy_norm), plan, save=True)[1][4]
-  assert all(x is None for x in xs[:-1]) and xs[-1] is not None
+  k = n if below is None else below
+  assert [x is None for x in xs] == [j < k for j in range(n + 1)]
 
 
 def test_recomputed_site_outputs_are_not_kept():
@@ -263,6 +272,11 @@ def test_norm_and_project_are_exclusive():
   with pytest.raises(ValueError, match="norm.*project"):
     routed_stack(h, params, toy_sublayer, queries, gains, consts,
                  num_heads=2, project=lambda j, p, u: u, norm=toy_norm)
+  for kw in (dict(recompute_below=1), dict(norm=toy_norm, recompute_below=3),
+             dict(norm=toy_norm, recompute_below=-1)):
+    with pytest.raises(ValueError, match="recompute_below="):
+      routed_stack(h, params, toy_sublayer, queries, gains, consts,
+                   num_heads=2, **kw)
 
 
 def test_site_groups():
@@ -361,15 +375,17 @@ def decoder_grads(residual, routing_backward, remat=False, heads=4, seed=0,
   from flax import nnx
 
   from mhar_jax.layers import Transformer, TransformerConfig
+  # "outputs" / "outputs=0.5": recompute_site_outputs True / 0.5
+  outputs = (recompute.startswith("outputs")
+             and float(recompute.partition("=")[2] or 1))
   cfg = TransformerConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2,
                           num_kv_heads=1, head_dim=16, ffn_dim=48,
                           max_seq_len=16, residual=residual, routing_heads=heads,
                           dtype="float32", routing_backward=routing_backward,
                           remat=remat, num_blocks=num_blocks,
                           routing_site_group=site_group,
-                          recompute_sources=("none" if recompute == "outputs"
-                                             else recompute),
-                          recompute_site_outputs=recompute == "outputs")
+                          recompute_sources=("none" if outputs else recompute),
+                          recompute_site_outputs=outputs)
   from mhar_jax import training
   gdef = training.graphdef(cfg)
   params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)),
@@ -402,7 +418,9 @@ def decoder_grads(residual, routing_backward, remat=False, heads=4, seed=0,
         ("mhar", 2, True, 2, 2, "attention"),
         ("mhar", 4, False, 0, 3, "outputs"),      # sites' outputs recomputed
         ("attnres", 1, True, 0, 0, "outputs"),
-        ("mhar", 2, False, 2, 0, "outputs")])
+        ("mhar", 2, False, 2, 0, "outputs"),
+        ("mhar", 4, False, 0, 3, "outputs=0.75"),  # the lowest 3 of 4 sites
+        ("mhar", 2, False, 2, 0, "outputs=0.5")])
 def test_decoder_source_backward_equals_site_backward(residual, heads, remat,
                                                       num_blocks, site_group,
                                                       recompute):
@@ -449,6 +467,10 @@ def test_source_backward_is_for_attnres_and_mhar():
     with pytest.raises(ValueError, match="model.recompute_site_outputs=True"):
       TransformerConfig(**{"residual": "mhar", "num_layers": 2,
                            "recompute_site_outputs": True, **kw})
+  for share in (-0.5, 1.5, "half"):
+    with pytest.raises(ValueError, match="model.recompute_site_outputs="):
+      TransformerConfig(residual="mhar", num_layers=2,
+                        recompute_site_outputs=share)
   with pytest.raises(ValueError, match="model.routing_site_group=4"):
     TransformerConfig(residual="mhar", num_layers=2, routing_site_group=4,
                       routing_backward="site")

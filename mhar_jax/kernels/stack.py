@@ -82,7 +82,8 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
                  blocks: Sequence[int] | None = None,
                  site_group: int | None = None,
                  project: Project | None = None,
-                 norm: Norm | None = None) -> jax.Array:
+                 norm: Norm | None = None,
+                 recompute_below: int | None = None) -> jax.Array:
   """The output of the last routing site of a fully routed stack.
 
   Args:
@@ -143,6 +144,12 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
       gradient. The norm's input is what the baseline keeps for its norms:
       one ``[..., D]`` array a sublayer less in memory for one more routing
       pass. Not with ``project`` (it needs the sources kept).
+    recompute_below: with ``norm``, only the sites ``0 .. recompute_below -
+      1`` have their outputs recomputed; the sites above keep theirs (their
+      norms' gradients taken from the kept input). ``None``: every site.
+      The lowest sites read the fewest sources, so they are the cheapest to
+      recompute: the full method's first k of n sites read about (k / n)^2
+      of the sources that recomputing all n reads, for k / n of the memory.
 
   Returns:
     ``x_n`` ``[..., D]`` in ``h``'s dtype.
@@ -170,7 +177,14 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
     raise ValueError("routed_stack: norm (recompute the sites' outputs) needs"
                      " the sources kept; it cannot be combined with project"
                      " (recompute the sources). Pass one of them.")
-  plan = _Plan(num_heads, float(eps), resolve_impl(impl), blocks=blocks)
+  if recompute_below is not None and (norm is None or not
+                                      0 <= int(recompute_below) <= n):
+    raise ValueError(f"routed_stack: recompute_below={recompute_below} needs"
+                     f" norm and must lie in [0, {n}] (the sites 0 .. {n - 1}"
+                     " have norms).")
+  plan = _Plan(num_heads, float(eps), resolve_impl(impl), blocks=blocks,
+               recompute_below=None if recompute_below is None
+               else int(recompute_below))
   if site_group is None:
     site_group = (AUTO_SITE_GROUP
                   if _tensor_core_group(plan, AUTO_SITE_GROUP, d) else 0)
@@ -193,6 +207,7 @@ class _Plan:
   site_group: int = 0       # see routed_stack
   mesh: Any = None          # triton: shard_map over this mesh's batch axes
   batch_axes: tuple = ()
+  recompute_below: int | None = None   # see routed_stack
   # Backward bookkeeping: whole-stack buffers (what the kernel reads) or
   # Python lists of per-site arrays (the jnp path: no buffer, no copies, the
   # loop's memory). The default follows impl.
@@ -205,6 +220,11 @@ class _Plan:
   def block_ends(self, n: int) -> list[bool]:
     """:func:`block_ends` of ``blocks`` (one block per sublayer if empty)."""
     return block_ends(self.blocks or range(n))
+
+  def recomputed_sites(self, n: int) -> int:
+    """With ``norm``: the sites ``0 .. k - 1`` of ``n`` sublayers recompute
+    their outputs in the backward; returns k."""
+    return n if self.recompute_below is None else self.recompute_below
 
   @property
   def full(self) -> bool:
@@ -308,15 +328,17 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
   on tensor cores, ``[s_0]`` alone when the sources are recomputed),
   ``partials``/``partial_r`` (per site: the partial sum it reads, or None;
   sites 0 .. n-1, the final site reads none; recomputing, no partial sums
-  but their inv-RMS), the sites' outputs (with ``norm``: None but the
-  last's) and log-sum-exps, the sublayers' VJPs (of ``apply`` alone when
-  recomputing the sources or with ``norm``), ``t = query * gain`` and the
-  projections' inputs ``us`` (None unless recomputing)."""
+  but their inv-RMS), the sites' outputs (with ``norm``: None for the sites
+  that recompute theirs, ``plan.recomputed_sites``) and log-sum-exps, the
+  sublayers' VJPs (of ``apply`` alone when recomputing the sources or with
+  ``norm``), ``t = query * gain`` and the projections' inputs ``us`` (None
+  unless recomputing)."""
   apply, project, norm = fns
   recompute = project is not None
   t = (queries.astype(jnp.float32) * gains.astype(jnp.float32)).reshape(
       queries.shape[0], plan.num_heads, -1)
   ends = plan.block_ends(len(params))
+  below = plan.recomputed_sites(len(params))
   group_end = dict(plan.site_groups(len(params)))
   done, done_r = [h], [inv_rms(h, plan.eps)]
   partials, partial_r = [None] * len(params), [None] * len(params)
@@ -395,7 +417,7 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
       raise ValueError(
           f"routed_stack: sublayer {j} returned {y.shape} {y.dtype}; it must"
           f" return the sources' shape and dtype, {h.shape} {h.dtype}.")
-    xs.append(x if norm is None else None)
+    xs.append(x if norm is None or j >= below else None)
     lses.append(lse)
     partial = y if partial is None else partial + y
     if ends[j]:
@@ -792,7 +814,7 @@ def _stack_bwd(fns, plan, res, g):
       live_r, _ = jax.lax.optimization_barrier((live_r, after))
       return _sites(live, t[j:j + 1], live_r, plan)[0][0]
     a, b = next(ab for ab in plan.site_groups(n) if ab[0] <= j < ab[1])
-    b = min(b, n)                         # site n's output is kept
+    b = min(b, plan.recomputed_sites(n))  # the sites above keep theirs
     r_rows, _ = jax.lax.optimization_barrier((jnp.stack(done_r[:b]), after))
     if not shared and b - a == 1:         # site by site from the list
       return _sites(done[:b], t[j:j + 1], list(r_rows), plan)[0][0]
@@ -831,8 +853,8 @@ def _stack_bwd(fns, plan, res, g):
       dparams[j], dx = vjps[j](du)
       dparams[j] = jax.tree.map(jnp.add, dparams[j], dp_project)
       after = dx
-    elif norm is not None:     # the norm's gradient at x_j recomputed
-      x_j = routed_input(j, dy)
+    elif norm is not None:     # the norm's gradient at x_j (recomputed)
+      x_j = xs[j] if xs[j] is not None else routed_input(j, dy)
       dparams[j], dyn = vjps[j](dy)
       dp_norm, dx = jax.vjp(functools.partial(norm, j), params[j], x_j)[1](
           dyn)

@@ -90,12 +90,14 @@ class TransformerConfig:
   # "all"): a copy of their outputs less at the memory peak for one more
   # output projection each.
   recompute_sources: str = "none"
-  # Source-major stacks: keep no routing site's output (the input of the
-  # sublayer's RMSNorm) but recompute it in the backward from the kept
-  # sources, one causal pass a group of sites: a [B, T, D] array a sublayer
-  # less at the memory peak for one more routing pass. Not with
-  # recompute_sources (it needs the sources kept).
-  recompute_site_outputs: bool = False
+  # Source-major stacks: the share of the routing sites, lowest first, that
+  # keep no output (the input of the sublayer's RMSNorm) but recompute it in
+  # the backward from the kept sources, one causal pass a group of sites: a
+  # [B, T, D] array a sublayer less at the memory peak for one more routing
+  # pass. 0 (False): none; 1 (True): all; 0.5: the lower half of the sites
+  # (the cheapest: they read the fewest sources). Not with recompute_sources
+  # (it needs the sources kept).
+  recompute_site_outputs: float = 0.0
   remat: bool = False
 
   def __post_init__(self):
@@ -156,8 +158,10 @@ class TransformerConfig:
           " stack (AttnRes / MHAR, full or blocks, routing_backward 'auto' or"
           f" 'source'); got model.residual={self.residual!r},"
           f" routing_backward={self.routing_backward!r}. Set it to 'none'.")
-    if not isinstance(self.recompute_site_outputs, bool):
-      bad("recompute_site_outputs", "must be True or False.")
+    if (not isinstance(self.recompute_site_outputs, (bool, int, float))
+        or not 0 <= self.recompute_site_outputs <= 1):
+      bad("recompute_site_outputs", "must be a share of the sites between 0"
+          " and 1 (False / True: none / all).")
     if self.recompute_site_outputs and not self.source_major_backward:
       bad("recompute_site_outputs", "recomputes the sites of the source-major"
           " stack (AttnRes / MHAR, full or blocks, routing_backward 'auto' or"
@@ -409,7 +413,9 @@ class Transformer(nnx.Module):
       project = functools.partial(_project_sublayer,
                                   graphdefs=tuple(graphdefs), split=split)
     norm = None
-    if self.cfg.recompute_site_outputs:
+    # the lowest sites, rounded half up: 0.5 of 9 sublayers is 5
+    below = int(self.cfg.recompute_site_outputs * len(subs) + 0.5)
+    if below:
       norm = functools.partial(_norm_sublayer, graphdefs=tuple(graphdefs))
     apply = functools.partial(_apply_sublayer, graphdefs=tuple(graphdefs),
                               split=split, normed=norm is not None)
@@ -422,7 +428,8 @@ class Transformer(nnx.Module):
                         eps=self.cfg.norm_eps, impl=self.cfg.routing_impl,
                         blocks=self.cfg.blocks,
                         site_group=self.cfg.routing_site_group,
-                        project=project, norm=norm)
+                        project=project, norm=norm,
+                        recompute_below=below if norm else None)
 
   def _delta(self, h, subs, call, positions, routing, record):
     """The delta form: the ordinary stream plus ``gate * route([null, deltas])``."""
