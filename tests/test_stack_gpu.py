@@ -227,16 +227,22 @@ def normed_sublayer(j, p, x, consts):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("lead,d,heads,n,blocks,site_group", [
-    ((3, 160), 1280, 8, 17, None, 16), ((2, 37), 64, 4, 40, None, 16),
-    ((3, 160), 1280, 8, 6, None, 0), ((2, 37), 64, 4, 5, (0, 0, 1, 1, 1), 0)])
+@pytest.mark.parametrize("lead,d,heads,n,blocks,site_group,below", [
+    ((3, 160), 1280, 8, 17, None, 16, None),
+    ((2, 37), 64, 4, 40, None, 16, None),
+    ((3, 160), 1280, 8, 6, None, 0, None),
+    ((2, 37), 64, 4, 5, (0, 0, 1, 1, 1), 0, None),
+    # the lowest sites only (groups (0, 15), (15, 31), (31, 41) cut at 20)
+    ((2, 37), 64, 4, 40, None, 16, 20),
+    ((2, 37), 64, 4, 5, (0, 0, 1, 1, 1), 0, 3)])
 def test_triton_stack_recomputed_site_outputs(dtype, lead, d, heads, n, blocks,
-                                              site_group):
+                                              site_group, below):
   """``routed_stack(norm=...)`` on Triton (the sites' outputs recomputed in
   the backward: groups by the causal ``sites_kernel`` over the source
-  buffer, else site by site) against the jnp reference with the norm inside
-  each sublayer; values and every gradient (the norms' gains too), as
-  :func:`assert_matches` compares them."""
+  buffer, else site by site; ``below``: the lowest sites only) against the
+  jnp reference with the norm inside each sublayer; values and every
+  gradient (the norms' gains too), as :func:`assert_matches` compares
+  them."""
   ks = jax.random.split(jax.random.key(d + n + 1), 6)
   h = (jax.random.normal(ks[0], (*lead, d)) * 2 + 0.5).astype(dtype)
   params = tuple({"w": jax.random.normal(k, (d, d)) / np.sqrt(d),
@@ -253,7 +259,8 @@ def test_triton_stack_recomputed_site_outputs(dtype, lead, d, heads, n, blocks,
       out = routed_stack(h, params, fns[0], queries, gains,
                          jnp.asarray(1.3, jnp.float32), num_heads=heads,
                          impl=impl, blocks=blocks, norm=fns[1],
-                         site_group=site_group if impl == "triton" else 0)
+                         site_group=site_group if impl == "triton" else 0,
+                         recompute_below=below if fns[1] else None)
       return jnp.sum(out.astype(jnp.float32) * cot), out
     return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True))(
         h, params, queries, gains)

@@ -378,18 +378,20 @@ def _norm(j, p, x):
   return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * p["g"]
 
 
-@pytest.mark.parametrize("n,blocks,site_group", [
-    (5, None, 3),        # groups [0, 2), [2, 5) recomputed; site 5 kept
-    (5, None, 0),        # site by site from the list of sources
-    (17, None, 16),      # [0, 15) and [15, 17): one site left below site 17
-    (5, (0, 0, 1, 1, 1), 0)])
+@pytest.mark.parametrize("n,blocks,site_group,below", [
+    (5, None, 3, 5),     # groups [0, 2), [2, 5) recomputed; site 5 kept
+    (5, None, 0, 5),     # site by site from the list of sources
+    (17, None, 16, 17),  # [0, 15) and [15, 17): one site left below site 17
+    (5, (0, 0, 1, 1, 1), 0, 5),
+    (5, None, 3, 3),     # the lowest sites: [0, 2) and [2, 3) recomputed
+    (5, (0, 0, 1, 1, 1), 0, 2)])
 def test_routed_stack_recomputes_site_outputs(kernel_module, monkeypatch, n,
-                                              blocks, site_group):
+                                              blocks, site_group, below):
   """``routed_stack``'s Triton path with ``norm``: the backward recomputes
-  the sites' outputs (the full method's groups with the causal
-  ``sites_kernel`` over the source buffer's rows still holding sources;
-  else site by site), every launch run by the interpreter, against the jnp
-  path with ``norm`` and without it: values and every gradient."""
+  the outputs of the sites below ``below`` (the full method's groups with
+  the causal ``sites_kernel`` over the source buffer's rows still holding
+  sources; else site by site), every launch run by the interpreter, against
+  the jnp path with ``norm`` and without it: values and every gradient."""
   ts = kernel_module
   tr = ts.tr
   calls = []
@@ -409,7 +411,8 @@ def test_routed_stack_recomputes_site_outputs(kernel_module, monkeypatch, n,
     return _sublayer(j, p, _norm(j, p, x), consts)
 
   def run(impl, fns):
-    plan = stack._Plan(h, 1e-6, impl, blocks=blk, site_group=site_group)
+    plan = stack._Plan(h, 1e-6, impl, blocks=blk, site_group=site_group,
+                       recompute_below=below if fns[2] else None)
     f = lambda x0, ps, q, g: stack._stack(x0, ps, q, g, None, fns,  # noqa: E731
                                           plan)
     with jax.disable_jit():
@@ -420,14 +423,14 @@ def test_routed_stack_recomputes_site_outputs(kernel_module, monkeypatch, n,
   groups = stack._Plan(h, 1e-6, "triton", blocks=blk,
                        site_group=site_group).site_groups(n)
   full_groups = blocks is None and site_group >= 2
-  # recomputed: each group with a site below n on tensor cores, causal
-  causal = sum(a < n for a, _ in groups) if full_groups else 0
+  # recomputed: each group with a site below ``below`` on tensor cores, causal
+  causal = sum(a < below for a, _ in groups) if full_groups else 0
   assert calls.count(("sites_kernel", True)) == causal, calls
   assert calls.count(("sites_kernel", False)) == (
       len(groups) if full_groups else 0), calls
-  # site by site: once in the forward and once recomputed (but site n)
+  # site by site: once in the forward and once recomputed (below ``below``)
   fwd = calls.count(("_fwd_kernel", False))
-  assert fwd == (n + 1 - len(groups) if full_groups else 2 * n + 1), calls
+  assert fwd == (n + 1 - len(groups) if full_groups else n + 1 + below), calls
   for fns in ((_sublayer, None, _norm), (normed, None, None)):
     out_r, grads_r = run("reference", fns)
     np.testing.assert_allclose(out_t, out_r, rtol=1e-5, atol=1e-5)
