@@ -94,6 +94,14 @@ def test_validation_names_key_and_value(tmp_path):
   c = tiny_config(); c.model.vocab_size = 1000; c.data.tokenizer = str(tok)
   with pytest.raises(ValueError, match=r"data.tokenizer=.*2048 tokens.*model.vocab_size=1000"):
     validate(c, num_devices=1)
+  # recompute_site_outputs: a share of the sites; True / False in a config
+  # file are all / none
+  for share, want in ((True, 1.0), (False, 0.0), (0.5, 0.5)):
+    c = tiny_config(); c.model.recompute_site_outputs = share
+    assert validate(c, num_devices=1).recompute_site_outputs == want
+  c = tiny_config(); c.model.recompute_site_outputs = 1.5
+  with pytest.raises(ValueError, match=r"model.recompute_site_outputs=1.5"):
+    validate(c, num_devices=1)
 
 
 def run_cli(*args, timeout=240, env=None):
