@@ -147,9 +147,9 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
     recompute_below: with ``norm``, only the sites ``0 .. recompute_below -
       1`` have their outputs recomputed; the sites above keep theirs (their
       norms' gradients taken from the kept input). ``None``: every site.
-      The lowest sites read the fewest sources, so they are the cheapest to
-      recompute: the full method's first k of n sites read about (k / n)^2
-      of the sources that recomputing all n reads, for k / n of the memory.
+      The lowest sites read the fewest sources (the full method's site k
+      reads k + 1), so they free the same memory a site for the least
+      recomputation.
 
   Returns:
     ``x_n`` ``[..., D]`` in ``h``'s dtype.
