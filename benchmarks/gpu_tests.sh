@@ -6,7 +6,7 @@
 #   ffi      the stack with every kernel launched through the typed-FFI call
 #   kernels  the group kernels and the query-gain product
 #   f32      the stack against the reference, float32
-#   bf16     ... bfloat16 (and with the sites kernel's weights as one term)
+#   bf16     ... bfloat16
 #   rms      the stack with the forward kernel computing the inverse RMS
 #   decoder  the decoder's source-major backward
 #   outputs  the sites' outputs recomputed (recompute_site_outputs): the
@@ -22,7 +22,7 @@ TIMEOUT=${PART_TIMEOUT:-280}
 declare -A SEL=(
   [ffi]="ffi_launch" [kernels]="group_kernels or query_gain"
   [f32]="matches_reference and float32"
-  [bf16]="matches_reference and bfloat16 or split_weights"
+  [bf16]="matches_reference and bfloat16"
   [rms]="inverse_rms" [decoder]="decoder"
   [outputs]="recomputed_site_outputs or causal_sites"
   [split]="split_weights or (matches_reference and bfloat16 and lead9)")
