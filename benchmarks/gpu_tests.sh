@@ -10,7 +10,8 @@
 #   rms      the stack with the forward kernel computing the inverse RMS
 #   decoder  the decoder's source-major backward
 #   outputs  the sites' outputs recomputed (recompute_site_outputs): the
-#            causal sites kernel, the stack with norm (f32, bf16)
+#            stack with norm (f32, bf16)
+#   causal   the causal sites kernel (what recomputes them in groups)
 #   route    tests/test_triton_route.py (route() alone)
 #   split    the sites kernel's weights as two terms (default) and one (bf16 lead9)
 # Each part's verbose output goes to $OUT/gpu-tests-PART.txt (so a part cut
@@ -24,15 +25,15 @@ declare -A SEL=(
   [f32]="matches_reference and float32"
   [bf16]="matches_reference and bfloat16"
   [rms]="inverse_rms" [decoder]="decoder"
-  [outputs]="recomputed_site_outputs or causal_sites"
+  [outputs]="recomputed_site_outputs" [causal]="causal_sites"
   [split]="split_weights or (matches_reference and bfloat16 and lead9)")
-for part in ${@:-ffi kernels f32 bf16 rms decoder route outputs}; do
+for part in ${@:-ffi kernels f32 bf16 rms decoder route outputs causal}; do
   if [[ $part == route ]]; then
     args=(tests/test_triton_route.py)
   elif [[ -n ${SEL[$part]:-} ]]; then
     args=(tests/test_stack_gpu.py -k "${SEL[$part]}")
   else
-    echo "gpu_tests.sh: no part '$part' (ffi kernels f32 bf16 rms decoder route outputs split)"
+    echo "gpu_tests.sh: no part '$part' (ffi kernels f32 bf16 rms decoder route outputs causal split)"
     exit 2
   fi
   timeout "$TIMEOUT" python3 -m pytest -o addopts="" -v --tb=short -rP \

@@ -174,7 +174,7 @@ def test_triton_stack_ffi_launch(monkeypatch, dtype, lead, d, heads, n,
 @pytest.mark.parametrize("num_blocks,num_layers,recompute", [
     (0, 3, "none"), (2, 3, "none"), (0, 13, "none"), (0, 13, "attention"),
     (0, 13, "all"), (0, 24, "all"), (3, 13, "all"), (0, 13, "outputs"),
-    (3, 13, "outputs")])
+    (3, 13, "outputs"), (0, 13, "outputs=0.5")])
 def test_decoder_source_backward_on_gpu(num_blocks, num_layers, recompute):
   """The decoder's default source-major stack (Triton; 13 layers: 27 sites,
   so the default groups of 16 route on tensor cores forward, sites 0-14 and
@@ -183,7 +183,8 @@ def test_decoder_source_backward_on_gpu(num_blocks, num_layers, recompute):
   layers: sources 1-16 and 0 take their share of two and three such
   buffers; 3 blocks: block and partial sums recomputed, each block's
   cotangents a buffer apart; ``outputs``: the sites' outputs recomputed,
-  ``recompute_site_outputs``) against the jnp site-by-site one."""
+  ``recompute_site_outputs``; ``=0.5``: sites 0-12, the group of sites
+  0-14 cut at 13) against the jnp site-by-site one."""
   from flax import nnx
 
   from mhar_jax import training
@@ -193,14 +194,15 @@ def test_decoder_source_backward_on_gpu(num_blocks, num_layers, recompute):
             residual="mhar", routing_heads=8, dtype="float32",
             attention_impl="xla", num_blocks=num_blocks)
   toks = jax.random.randint(jax.random.key(0), (2, 64), 0, 256)
+  outputs = (recompute.startswith("outputs")
+             and float(recompute.partition("=")[2] or 1))
   out = {}
   for name, extra in (("site", dict(routing_backward="site",
                                      routing_impl="reference")),
                       ("source", dict(
                           routing_backward="source", routing_impl="triton",
-                          recompute_sources=("none" if recompute == "outputs"
-                                             else recompute),
-                          recompute_site_outputs=recompute == "outputs"))):
+                          recompute_sources=("none" if outputs else recompute),
+                          recompute_site_outputs=outputs))):
     cfg = TransformerConfig(**kw, **extra)
     gdef = training.graphdef(cfg)
     params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)),
