@@ -246,7 +246,9 @@ def test_recomputed_site_outputs_are_not_kept():
   """XLA's plan of the backward is smaller with the sites' outputs
   recomputed: the recomputation is neither merged with the forward's
   routing nor hoisted into the forward (CPU, the whole-stack buffer with
-  groups of 4 sites)."""
+  groups of 4 sites). Recomputing the lowest 6 of 12 saves part of that;
+  recomputing none (``norm`` given, ``recompute_below=0``) keeps every
+  output, as without ``norm``."""
   from mhar_jax.kernels import stack
   n, d, tok = 12, 64, 8192
   ks = jax.random.split(jax.random.key(0), n + 2)
@@ -257,14 +259,21 @@ def test_recomputed_site_outputs_are_not_kept():
   body = lambda j, p, x, c: jnp.tanh(x @ p["w"])              # noqa: E731
   whole = lambda j, p, x, c: body(j, p, toy_norm(j, p, x), c)  # noqa: E731
   temp = {}
-  for name, fns in (("kept", (whole, None, None)),
-                    ("recomputed", (body, None, toy_norm))):
-    plan = stack._Plan(4, 1e-6, "reference", buffers=True, site_group=4)
+  for name, fns, below in (("kept", (whole, None, None), None),
+                           ("recomputed", (body, None, toy_norm), None),
+                           ("lower half", (body, None, toy_norm), n // 2),
+                           ("none", (body, None, toy_norm), 0)):
+    plan = stack._Plan(4, 1e-6, "reference", buffers=True, site_group=4,
+                       recompute_below=below)
     f = lambda h, p: jnp.sum(stack._stack(h, p, queries, gains, None, fns,  # noqa: E731
                                           plan) ** 2)
     compiled = jax.jit(jax.grad(f, argnums=(0, 1))).lower(h, params).compile()
     temp[name] = compiled.memory_analysis().temp_size_in_bytes
-  assert temp["kept"] - temp["recomputed"] >= 4 * tok * d * 4, temp
+  array = tok * d * 4
+  assert temp["kept"] - temp["recomputed"] >= 4 * array, temp
+  assert temp["kept"] - temp["lower half"] >= 3 * array, temp
+  assert temp["lower half"] >= temp["recomputed"], temp
+  assert abs(temp["none"] - temp["kept"]) <= array, temp
 
 
 def test_norm_and_project_are_exclusive():
