@@ -13,6 +13,16 @@ def make_trainer(cfg, workdir):
                  devices=jax.devices()[:1])
 
 
+def recompute_kwargs(recompute: str) -> dict:
+  """The decoder tests' ``recompute`` as TransformerConfig keywords:
+  ``"none"`` / ``"attention"`` / ``"all"`` are ``recompute_sources``;
+  ``"outputs"`` / ``"outputs=0.5"`` are ``recompute_site_outputs`` 1 / 0.5."""
+  if recompute.startswith("outputs"):
+    return dict(recompute_sources="none",
+                recompute_site_outputs=float(recompute.partition("=")[2] or 1))
+  return dict(recompute_sources=recompute, recompute_site_outputs=0.0)
+
+
 _UNSET = object()
 _INTERPRET_AT_START = _UNSET
 

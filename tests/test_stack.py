@@ -384,17 +384,14 @@ def decoder_grads(residual, routing_backward, remat=False, heads=4, seed=0,
   from flax import nnx
 
   from mhar_jax.layers import Transformer, TransformerConfig
-  # "outputs" / "outputs=0.5": recompute_site_outputs True / 0.5
-  outputs = (recompute.startswith("outputs")
-             and float(recompute.partition("=")[2] or 1))
+  from helpers import recompute_kwargs
   cfg = TransformerConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2,
                           num_kv_heads=1, head_dim=16, ffn_dim=48,
                           max_seq_len=16, residual=residual, routing_heads=heads,
                           dtype="float32", routing_backward=routing_backward,
                           remat=remat, num_blocks=num_blocks,
                           routing_site_group=site_group,
-                          recompute_sources=("none" if outputs else recompute),
-                          recompute_site_outputs=outputs)
+                          **recompute_kwargs(recompute))
   from mhar_jax import training
   gdef = training.graphdef(cfg)
   params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)),

@@ -194,15 +194,13 @@ def test_decoder_source_backward_on_gpu(num_blocks, num_layers, recompute):
             residual="mhar", routing_heads=8, dtype="float32",
             attention_impl="xla", num_blocks=num_blocks)
   toks = jax.random.randint(jax.random.key(0), (2, 64), 0, 256)
-  outputs = (recompute.startswith("outputs")
-             and float(recompute.partition("=")[2] or 1))
+  from helpers import recompute_kwargs
   out = {}
   for name, extra in (("site", dict(routing_backward="site",
                                      routing_impl="reference")),
                       ("source", dict(
                           routing_backward="source", routing_impl="triton",
-                          recompute_sources=("none" if outputs else recompute),
-                          recompute_site_outputs=outputs))):
+                          **recompute_kwargs(recompute)))):
     cfg = TransformerConfig(**kw, **extra)
     gdef = training.graphdef(cfg)
     params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)),

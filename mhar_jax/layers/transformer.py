@@ -158,7 +158,7 @@ class TransformerConfig:
           " stack (AttnRes / MHAR, full or blocks, routing_backward 'auto' or"
           f" 'source'); got model.residual={self.residual!r},"
           f" routing_backward={self.routing_backward!r}. Set it to 'none'.")
-    if (not isinstance(self.recompute_site_outputs, (bool, int, float))
+    if (not isinstance(self.recompute_site_outputs, (int, float))
         or not 0 <= self.recompute_site_outputs <= 1):
       bad("recompute_site_outputs", "must be a share of the sites between 0"
           " and 1 (False / True: none / all).")
