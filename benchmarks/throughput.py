@@ -30,7 +30,10 @@ the runs it lists.
 Schemes: ``prenorm``, ``hyper``, ``attnres``, ``mhar`` (H=8, the default
 source-major backward; with Triton its sites in groups of 16 on tensor cores,
 ``mhar+routing_site_group=0`` each alone), ``mhar_b8`` (H=8, 8 blocks),
-``mhar_site`` (H=8 with ``routing_backward="site"``); append ``:reference`` or ``:triton`` to force
+``mhar_site`` (H=8 with ``routing_backward="site"``). The paper presets
+recompute the lower half of the sites' outputs (``recompute_site_outputs=0.5``;
+``mhar+recompute_site_outputs=0`` keeps them all, as ``mhar_site`` does, and a
+run with ``recompute_sources`` needs it too). Append ``:reference`` or ``:triton`` to force
 the routing implementation (e.g. ``mhar:reference``) and ``+KEY=VALUE`` to
 override a model config key (e.g. ``prenorm+remat=True``; another section's
 with its name, ``mhar+train.loss_chunk_tokens=8192``; a Triton kernel's tuning
@@ -70,7 +73,7 @@ SCHEMES = {
     "mhar": dict(residual="mhar", routing_heads=8),
     "mhar_b8": dict(residual="mhar", routing_heads=8, num_blocks=8),
     "mhar_site": dict(residual="mhar", routing_heads=8,
-                      routing_backward="site"),
+                      routing_backward="site", recompute_site_outputs=0),
 }
 
 

@@ -262,6 +262,8 @@ def check_compatible(meta: Mapping[str, Any], expected_fingerprint: Mapping[str,
         that key is accepted too).
       expected_fingerprint: the fingerprint of the current config, a (nested)
         JSON-like dict, e.g. ``{"model": {"num_layers": 24, "d_model": 1024}}``.
+        Its keys are the ones compared: a key only the checkpoint holds (one
+        an older fingerprint included) is not.
 
     Raises:
       ValueError: listing every differing key, e.g.
@@ -274,7 +276,7 @@ def check_compatible(meta: Mapping[str, Any], expected_fingerprint: Mapping[str,
     b = flatten_dict(_jsonable(expected_fingerprint))
     diffs = [
         f"{k}: checkpoint {a.get(k, _MISSING)}, config {b.get(k, _MISSING)}"
-        for k in sorted(set(a) | set(b))
+        for k in sorted(b)
         if a.get(k, _MISSING) != b.get(k, _MISSING)
     ]
     if diffs:

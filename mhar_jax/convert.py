@@ -441,8 +441,10 @@ def target_config(src_model: dict, base: dict, *, routing_heads: int | None,
 
   ``src_model``: the source's model fields; ``base``: the full config dict
   whose ``model`` section provides the non-architecture fields (the source
-  run's, a ``--config`` file's, or the defaults). With ``from_file`` the
-  file's architecture must equal the source's.
+  run's, a ``--config`` file's, or the defaults; for the delta form less
+  ``recompute_sources`` / ``recompute_site_outputs``, which trade memory in
+  the source-major stack the delta form does not have). With ``from_file``
+  the file's architecture must equal the source's.
   """
   from mhar_jax.layers import TransformerConfig
   model = dict(base["model"])
@@ -462,7 +464,8 @@ def target_config(src_model: dict, base: dict, *, routing_heads: int | None,
                   else min(8, n_sub))
   if residual == "delta":
     model.update(residual=residual, routing_heads=int(routing_heads),
-                 num_blocks=int(num_blocks))
+                 num_blocks=int(num_blocks), recompute_sources="none",
+                 recompute_site_outputs=0.0)
   else:
     model.update(residual=residual)
   try:

@@ -80,10 +80,12 @@ def abstract_params(model_cfg: TransformerConfig) -> nnx.State:
 def fingerprint(model_cfg: TransformerConfig) -> dict:
   """What a checkpoint must match to be resumed: the architecture (not the
   implementation choices routing_impl / routing_backward /
-  routing_site_group / attention_impl / remat)."""
+  routing_site_group / attention_impl / remat / recompute_sources /
+  recompute_site_outputs)."""
   arch = dataclasses.asdict(model_cfg)
   for k in ("routing_impl", "routing_backward", "routing_site_group",
-            "attention_impl", "remat"):
+            "attention_impl", "remat", "recompute_sources",
+            "recompute_site_outputs"):
     arch.pop(k)
   return {"model": arch}
 

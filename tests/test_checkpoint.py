@@ -210,6 +210,8 @@ def test_check_compatible():
     assert "model.num_layers: checkpoint 12, config 24" in msg
     assert "model.heads: checkpoint <missing>, config 4" in msg
     assert "d_model" not in msg
+    # a key only the checkpoint holds (an older fingerprint's) is not compared
+    check_compatible({"fingerprint": {"model": {**FP["model"], "remat": True}}}, FP)
 
 
 def test_restore_rejects_other_architecture(tmp_path):

@@ -6,6 +6,7 @@ tiny random Hugging Face Llama / Qwen3 checkpoints written by ``transformers``
 ``transformers`` forward on CPU. All float32, logits to 1e-5.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -223,6 +224,24 @@ def test_config_file_must_match_the_source(prenorm_run, tmp_path):
   m = r["model_cfg"]   # architecture from the source, the rest from the file
   assert (m.max_seq_len, m.routing_heads, m.num_blocks) == (64, 2, 4)
   assert r["config"]["train"]["lr"] == 1e-4
+
+
+def test_delta_target_drops_the_source_major_memory_trades():
+  """A baseline trained from a paper preset carries its
+  ``recompute_site_outputs=0.5``; the delta form, which has no source-major
+  stack, converts without it."""
+  c = prenorm_config()
+  c.model.recompute_site_outputs = 0.5
+  src = dataclasses.asdict(model_config(c))
+  cfg, full = convert.target_config(src, c.to_dict(), routing_heads=None,
+                                    num_blocks=None, from_file=False,
+                                    where="checkpoint")
+  assert cfg.residual == "delta" and cfg.recompute_site_outputs == 0
+  assert full["model"]["recompute_sources"] == "none"
+  cfg, _ = convert.target_config(src, c.to_dict(), routing_heads=None,
+                                 num_blocks=None, from_file=False,
+                                 where="checkpoint", residual="prenorm")
+  assert cfg.recompute_site_outputs == 0.5
 
 
 # -- Hugging Face checkpoints ----------------------------------------------------

@@ -227,6 +227,26 @@ def test_preset_parameter_counts(name, billions):
     assert abs(n / 1e9 - billions) / billions < 1e-3, n
 
 
+@pytest.mark.parametrize("name", ["100m", "350m", "1b"])
+def test_presets_recompute_lower_half_of_sites(name):
+  """The paper presets recompute the lower half of the sites' outputs, and
+  stay valid with the schemes that have no routing sites (the baselines,
+  picked on the command line); a scheme that cannot recompute them says
+  which key to set."""
+  from mhar_jax.config import model_config
+  c = load_preset(name)
+  assert model_config(c).recompute_site_outputs == 0.5
+  for residual in ("prenorm", "hyper", "attnres", "mhar"):
+    c.model.residual = residual
+    assert model_config(c).residual == residual
+  c.model.routing_backward = "site"
+  with pytest.raises(ValueError,
+                     match=r"model.recompute_site_outputs=0.5.*Set it to 0"):
+    model_config(c)
+  c.model.recompute_site_outputs = 0
+  assert model_config(c).routing_backward == "site"
+
+
 def test_config_validation_names_key_and_value():
   with pytest.raises(ValueError, match=r"model.routing_heads=3"):
     small(residual="mhar", routing_heads=3)

@@ -467,12 +467,19 @@ def test_source_backward_is_for_attnres_and_mhar():
                            "recompute_sources": "all", **kw})
   with pytest.raises(ValueError, match="model.recompute_sources='mlp'"):
     TransformerConfig(residual="mhar", num_layers=2, recompute_sources="mlp")
-  # recomputed sites' outputs: the source-major stack, the sources kept
-  for kw in (dict(routing_backward="site"), dict(residual="prenorm"),
-             dict(recompute_sources="attention")):
-    with pytest.raises(ValueError, match="model.recompute_site_outputs=True"):
+  # recomputed sites' outputs: the source-major stack, the sources kept;
+  # a stack without routing sites has nothing to recompute
+  for kw, fix in ((dict(routing_backward="site"), "Set it to 0"),
+                  (dict(residual="delta"), "Set it to 0"),
+                  (dict(recompute_sources="attention"),
+                   "recompute_site_outputs=0 or")):
+    with pytest.raises(ValueError,
+                       match=f"model.recompute_site_outputs=True.*{fix}"):
       TransformerConfig(**{"residual": "mhar", "num_layers": 2,
                            "recompute_site_outputs": True, **kw})
+  for residual in ("prenorm", "hyper"):
+    TransformerConfig(residual=residual, num_layers=2,
+                      recompute_site_outputs=0.5)
   for share in (-0.5, 1.5, "half"):
     with pytest.raises(ValueError, match="model.recompute_site_outputs="):
       TransformerConfig(residual="mhar", num_layers=2,

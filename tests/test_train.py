@@ -219,3 +219,17 @@ def test_resuming_another_architecture_fails_at_start(tmp_path):
   assert r.returncode != 0
   assert "model.num_layers: checkpoint 1, config 2" in r.stderr, r.stderr[-2000:]
   assert "Traceback" not in r.stderr
+
+
+def test_fingerprint_leaves_out_implementation_choices():
+  """A run resumes with another routing implementation or memory trade
+  (recomputation, rematerialization); another architecture does not."""
+  from mhar_jax import training
+  base = training.fingerprint(validate(tiny_config(), num_devices=1))
+  for key, value in (("routing_impl", "reference"), ("routing_backward", "site"),
+                     ("remat", True), ("recompute_sources", "attention"),
+                     ("recompute_site_outputs", 1.0)):
+    c = tiny_config(); c.model[key] = value
+    assert training.fingerprint(validate(c, num_devices=1)) == base, key
+  c = tiny_config(); c.model.routing_heads = 1
+  assert training.fingerprint(validate(c, num_devices=1)) != base

@@ -95,8 +95,9 @@ class TransformerConfig:
   # the backward from the kept sources, one causal pass a group of sites: a
   # [B, T, D] array a sublayer less at the memory peak for one more routing
   # pass. 0 (False): none; 1 (True): all; 0.5: the lower half of the sites
-  # (the cheapest: they read the fewest sources). Not with recompute_sources
-  # (it needs the sources kept).
+  # (the cheapest: they read the fewest sources; the paper presets' value).
+  # Not with recompute_sources (it needs the sources kept); no effect on
+  # prenorm / hyper, which have no routing sites.
   recompute_site_outputs: float = 0.0
   remat: bool = False
 
@@ -162,15 +163,19 @@ class TransformerConfig:
         or not 0 <= self.recompute_site_outputs <= 1):
       bad("recompute_site_outputs", "must be a share of the sites between 0"
           " and 1 (False / True: none / all).")
-    if self.recompute_site_outputs and not self.source_major_backward:
+    # prenorm / hyper have no routing sites: a share of none is no share.
+    routed = self.residual in ("attnres", "mhar", "delta")
+    if (self.recompute_site_outputs and routed
+        and not self.source_major_backward):
       bad("recompute_site_outputs", "recomputes the sites of the source-major"
           " stack (AttnRes / MHAR, full or blocks, routing_backward 'auto' or"
           f" 'source'); got model.residual={self.residual!r},"
-          f" routing_backward={self.routing_backward!r}. Set it to False.")
+          f" routing_backward={self.routing_backward!r}. Set it to 0.")
     if self.recompute_site_outputs and self.recompute_sources != "none":
       bad("recompute_site_outputs", "recomputes the sites' outputs from the"
           " kept sources, which model.recompute_sources="
-          f"{self.recompute_sources!r} does not keep: set one of them off.")
+          f"{self.recompute_sources!r} does not keep: set"
+          " model.recompute_site_outputs=0 or model.recompute_sources='none'.")
 
   @property
   def source_major_backward(self) -> bool:
