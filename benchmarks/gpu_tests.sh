@@ -10,7 +10,8 @@
 #   rms      the stack with the forward kernel computing the inverse RMS
 #   decoder  the decoder's source-major backward
 #   outputs  the sites' outputs recomputed (recompute_site_outputs): the
-#            stack with norm (f32, bf16)
+#            stack with norm, every site (f32, bf16)
+#   share    ... the lowest sites only (recompute_below)
 #   causal   the causal sites kernel (what recomputes them in groups)
 #   route    tests/test_triton_route.py (route() alone)
 #   split    the sites kernel's weights as two terms (default) and one (bf16 lead9)
@@ -25,15 +26,16 @@ declare -A SEL=(
   [f32]="matches_reference and float32"
   [bf16]="matches_reference and bfloat16"
   [rms]="inverse_rms" [decoder]="decoder"
-  [outputs]="recomputed_site_outputs" [causal]="causal_sites"
+  [outputs]="recomputed_site_outputs and not below"
+  [share]="recomputed_site_outputs and below" [causal]="causal_sites"
   [split]="split_weights or (matches_reference and bfloat16 and lead9)")
-for part in ${@:-ffi kernels f32 bf16 rms decoder route outputs causal}; do
+for part in ${@:-ffi kernels f32 bf16 rms decoder route outputs share causal}; do
   if [[ $part == route ]]; then
     args=(tests/test_triton_route.py)
   elif [[ -n ${SEL[$part]:-} ]]; then
     args=(tests/test_stack_gpu.py -k "${SEL[$part]}")
   else
-    echo "gpu_tests.sh: no part '$part' (ffi kernels f32 bf16 rms decoder route outputs causal split)"
+    echo "gpu_tests.sh: no part '$part' (ffi kernels f32 bf16 rms decoder route outputs share causal split)"
     exit 2
   fi
   timeout "$TIMEOUT" python3 -m pytest -o addopts="" -v --tb=short -rP \

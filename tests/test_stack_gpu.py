@@ -233,8 +233,9 @@ def normed_sublayer(j, p, x, consts):
     ((3, 160), 1280, 8, 6, None, 0, None),
     ((2, 37), 64, 4, 5, (0, 0, 1, 1, 1), 0, None),
     # the lowest sites only (groups (0, 15), (15, 31), (31, 41) cut at 20)
-    ((2, 37), 64, 4, 40, None, 16, 20),
-    ((2, 37), 64, 4, 5, (0, 0, 1, 1, 1), 0, 3)])
+    pytest.param((2, 37), 64, 4, 40, None, 16, 20, id="below20-full"),
+    pytest.param((2, 37), 64, 4, 5, (0, 0, 1, 1, 1), 0, 3,
+                 id="below3-blocks")])
 def test_triton_stack_recomputed_site_outputs(dtype, lead, d, heads, n, blocks,
                                               site_group, below):
   """``routed_stack(norm=...)`` on Triton (the sites' outputs recomputed in
