@@ -36,7 +36,6 @@ import jax.numpy as jnp
 import numpy as np
 
 EPS = 1e-12
-ROUTED = ("attnres", "mhar", "delta")
 
 
 class AnalysisError(RuntimeError):
@@ -113,6 +112,7 @@ def load_run(workdir: str, step: int | None = None):
   from mhar_jax import parallel, training
   from mhar_jax.checkpoint import check_compatible, read_params
   from mhar_jax.config import model_config
+  from mhar_jax.layers import ROUTED
 
   ckpt_dir = os.path.join(workdir, "checkpoints")
   steps = _finalised_steps(ckpt_dir)

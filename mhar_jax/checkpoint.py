@@ -275,9 +275,9 @@ def check_compatible(meta: Mapping[str, Any], expected_fingerprint: Mapping[str,
     a = flatten_dict(_jsonable(saved))
     b = flatten_dict(_jsonable(expected_fingerprint))
     diffs = [
-        f"{k}: checkpoint {a.get(k, _MISSING)}, config {b.get(k, _MISSING)}"
+        f"{k}: checkpoint {a.get(k, _MISSING)}, config {b[k]}"
         for k in sorted(b)
-        if a.get(k, _MISSING) != b.get(k, _MISSING)
+        if a.get(k, _MISSING) != b[k]
     ]
     if diffs:
         raise ValueError(

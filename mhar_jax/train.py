@@ -81,6 +81,7 @@ class Trainer:
     import jax
     from mhar_jax import checkpoint, parallel, training
     from mhar_jax.config import mesh_shape
+    from mhar_jax.layers import ROUTED
     from mhar_jax.summary import SummaryWriter
 
     self.cfg, self.model_cfg, self.workdir = cfg, model_cfg, workdir
@@ -100,7 +101,7 @@ class Trainer:
     self.routing_stats = (
         training.make_routing_stats(self.gdef, self.state_sh["params"],
                                     self.batch_sh)
-        if model_cfg.residual in ("attnres", "mhar", "delta") else None)
+        if model_cfg.residual in ROUTED else None)
     self.ckpt = checkpoint.Checkpointer(
         os.path.join(workdir, "checkpoints"), max_to_keep=cfg.checkpoint.keep,
         async_save=cfg.checkpoint.async_save)

@@ -7,10 +7,10 @@ from mhar_jax.layers.basic import Attention, RMSNorm, SwiGLU, apply_rope
 from mhar_jax.layers.router import (DepthRouter, HyperConnection,
                                     block_boundaries, mean_entropy)
 from mhar_jax.layers.sharding import DEFAULT_RULES, constrain, logical_to_spec
-from mhar_jax.layers.transformer import (RESIDUALS, Transformer,
+from mhar_jax.layers.transformer import (RESIDUALS, ROUTED, Transformer,
                                          TransformerConfig, count_params)
 
 __all__ = ["Attention", "DEFAULT_RULES", "DepthRouter", "HyperConnection",
-           "RESIDUALS", "RMSNorm", "SwiGLU", "Transformer", "TransformerConfig",
-           "apply_rope", "block_boundaries", "constrain", "count_params",
-           "logical_to_spec", "mean_entropy"]
+           "RESIDUALS", "ROUTED", "RMSNorm", "SwiGLU", "Transformer",
+           "TransformerConfig", "apply_rope", "block_boundaries", "constrain",
+           "count_params", "logical_to_spec", "mean_entropy"]

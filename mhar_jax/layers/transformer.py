@@ -164,8 +164,7 @@ class TransformerConfig:
       bad("recompute_site_outputs", "must be a share of the sites between 0"
           " and 1 (False / True: none / all).")
     # prenorm / hyper have no routing sites: a share of none is no share.
-    routed = self.residual in ("attnres", "mhar", "delta")
-    if (self.recompute_site_outputs and routed
+    if (self.recompute_site_outputs and self.residual in ROUTED
         and not self.source_major_backward):
       bad("recompute_site_outputs", "recomputes the sites of the source-major"
           " stack (AttnRes / MHAR, full or blocks, routing_backward 'auto' or"
