@@ -90,6 +90,14 @@ def inv_rms(s: jax.Array, eps: float) -> jax.Array:
   return jax.lax.rsqrt(jnp.mean(s * s, axis=-1) + eps)
 
 
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  """``[..., D] -> [..., D]``: ``x * rsqrt(mean(x^2) + eps) * scale``,
+  float32 math, ``x``'s dtype out."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
 def _weights(st, query, norm_scale, num_heads, eps):
   """``st [S, ..., D]`` -> ``(w [S, ..., H], r [S, ...], u [S, ..., H], t [H, C])``."""
   t = (query.astype(jnp.float32) * norm_scale.astype(jnp.float32)).reshape(

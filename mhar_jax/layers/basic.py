@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mhar_jax.kernels.reference import rms_norm
 from mhar_jax.layers.sharding import BTD, constrain
 
 Dtype = Any
@@ -45,10 +46,7 @@ class RMSNorm(nnx.Module):
                        param_dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True)
-                            + self.eps)
-    return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+    return rms_norm(x, self.scale[...], self.eps)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
