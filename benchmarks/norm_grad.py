@@ -1,21 +1,16 @@
-"""A sublayer input norm's backward as ``routed_stack`` takes it: closed form vs autodiff.
+"""A sublayer input norm's backward as ``routed_stack`` takes it, against its byte floor.
 
 With ``recompute_site_outputs``, the backward of each routed sublayer takes
-its input RMSNorm's gradient itself at the site's output ``x [N, D]`` for the
-cotangent ``dy`` of the norm's output, then needs three things: ``dx``
-(written into a row of the cotangent buffer), ``<dx, x>`` per head (the
-routing's backward) and the gain's gradient. Two forms, timed in one run on
-the same inputs (bf16 ``x`` and ``dy``, a ``[4, N, D]`` bf16 buffer donated
-and updated in place):
+its input RMSNorm's gradient itself (``jax.vjp`` of the norm) at the site's
+output ``x [N, D]`` for the cotangent ``dy`` of the norm's output, writes
+``dx`` into a row of the cotangent buffer and takes ``<dx, x>`` per head (the
+routing's backward) and the gain's gradient. Timed here alone, XLA-compiled
+(bf16 ``x`` and ``dy``, a ``[4, N, D]`` bf16 buffer donated and updated in
+place): the case for one fused kernel.
 
-* ``autodiff``: ``jax.vjp`` of ``reference.rms_norm``, then ``<dx, x>`` from
-  ``dx`` (what the stack did before ``stack.rms_norm_grad``);
-* ``closed``: ``stack.rms_norm_grad`` (``<dx, x>`` from per-head sums of
-  ``x * gain * dy`` and ``x^2`` taken in the same reduction as ``m``).
-
-Bytes: the least any form moves is ``x`` and ``dy`` read once and ``dx``
-written once, ``3 N D`` bf16 elements; reported as GB/s of that and as a
-share of a device copy's bandwidth measured in the same run. Median of
+Bytes: the least any implementation moves is ``x`` and ``dy`` read once and
+``dx`` written once, ``3 N D`` bf16 elements; reported as GB/s of that and
+as a share of a device copy's bandwidth measured in the same run. Median of
 ``--reps`` calls after a warm-up.
 
 Usage (on the device machine, after ``source benchmarks/gpu_env.sh``)::
@@ -38,24 +33,19 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from mhar_jax.kernels import reference, stack  # noqa: E402
+from mhar_jax.kernels import reference  # noqa: E402
 from stack_routing import copy_bandwidth, median_ms  # noqa: E402
 
 EPS = 1e-6
 
 
-def autodiff(x, scale, dy, buf, row, heads):
-  """``(buf with dx in row, <dx, x> [N, H], dgain [D])`` by autodiff."""
+def norm_backward(x, scale, dy, buf, row, heads):
+  """``(buf with dx in row, <dx, x> [N, H], dgain [D])``, as the stack
+  takes them."""
   _, vjp = jax.vjp(lambda x, s: reference.rms_norm(x, s, EPS), x, scale)
   dx, dscale = vjp(dy)
   xd = jnp.einsum("...hc,...hc->...h", reference._heads(dx, heads),
                   reference._heads(x, heads))
-  return buf.at[row].set(dx), xd, dscale
-
-
-def closed(x, scale, dy, buf, row, heads):
-  """The same by ``stack.rms_norm_grad``."""
-  dx, xd, dscale = stack.rms_norm_grad(x, scale, dy, EPS, heads)
   return buf.at[row].set(dx), xd, dscale
 
 
@@ -69,38 +59,24 @@ def main():
   args = p.parse_args()
   copy_gbs = copy_bandwidth() / 1e9
   print(f"device {jax.devices()[0].device_kind}; copy {copy_gbs:.0f} GB/s")
-  rows = []
+  print(f"\n{'D':>6} {'ms':>8} {'GB/s':>7} {'% copy':>7}")
   for d in map(int, args.widths.split(",")):
     rng = np.random.default_rng(d)
     x = jnp.asarray(rng.normal(size=(args.tokens, d)) * 2, jnp.bfloat16)
     dy = jnp.asarray(rng.normal(size=(args.tokens, d)), jnp.bfloat16)
     scale = jnp.asarray(1 + 0.3 * rng.normal(size=(d,)), jnp.float32)
-    outs, times = {}, {}
-    for name, fn in (("autodiff", autodiff), ("closed", closed)):
-      f = jax.jit(functools.partial(fn, heads=args.heads), donate_argnums=3,
-                  static_argnums=4)
-      buf = jnp.zeros((4, args.tokens, d), jnp.bfloat16)
+    f = jax.jit(functools.partial(norm_backward, heads=args.heads),
+                donate_argnums=3, static_argnums=4)
+    buf = jnp.zeros((4, args.tokens, d), jnp.bfloat16)
 
-      def call(x, scale, dy, f=f):
-        nonlocal buf
-        buf, xd, dscale = f(x, scale, dy, buf, 2)
-        return buf, xd, dscale
+    def call(x, scale, dy):
+      nonlocal buf
+      buf, xd, dscale = f(x, scale, dy, buf, 2)
+      return xd, dscale
 
-      times[name] = median_ms(call, (x, scale, dy), reps=args.reps)
-      outs[name] = [np.asarray(a, np.float32) for a in call(x, scale, dy)]
-      outs[name][0] = outs[name][0][2]
-    for a, b in zip(outs["autodiff"], outs["closed"]):
-      err = np.abs(a - b).max() / np.abs(a).max()
-      assert err < 2e-2, f"D={d}: closed form differs from autodiff by {err}"
-    gb = 3 * args.tokens * d * 2 / 1e9
-    for name in ("autodiff", "closed"):
-      gbs = gb / (times[name] / 1e3)
-      rows.append((d, name, times[name], gbs, 100 * gbs / copy_gbs,
-                   times["autodiff"] / times[name]))
-  print(f"\n{'D':>6} {'form':>9} {'ms':>8} {'GB/s':>7} {'% copy':>7}"
-        f" {'speedup':>8}")
-  for d, name, ms, gbs, pct, speedup in rows:
-    print(f"{d:>6} {name:>9} {ms:8.3f} {gbs:7.0f} {pct:7.1f} {speedup:8.2f}")
+    ms = median_ms(call, (x, scale, dy), reps=args.reps)
+    gbs = 3 * args.tokens * d * 2 / 1e9 / (ms / 1e3)
+    print(f"{d:>6} {ms:8.3f} {gbs:7.0f} {100 * gbs / copy_gbs:7.1f}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ if jax.default_backend() != "gpu":
   pytest.skip("Triton kernels need a CUDA GPU", allow_module_level=True)
 pytest.importorskip("jax_triton")
 
-from mhar_jax.kernels.stack import SublayerRMSNorm, routed_stack
+from mhar_jax.kernels.stack import routed_stack
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
@@ -222,10 +222,6 @@ def norm(j, p, x):
   return (y * p["g"]).astype(x.dtype)
 
 
-def gain(j, p):
-  return p["g"]
-
-
 def normed_sublayer(j, p, x, consts):
   return sublayer(j, p, norm(j, p, x), consts)
 
@@ -270,7 +266,7 @@ def test_triton_stack_recomputed_site_outputs(dtype, lead, d, heads, n, blocks,
     return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True))(
         h, params, queries, gains)
 
-  got = run(h, "triton", (sublayer, SublayerRMSNorm(gain, 1e-6)))
+  got = run(h, "triton", (sublayer, norm))
   want = run(h, "reference", (normed_sublayer, None))
   assert_matches(dtype, got, want, lambda: run(
       h.astype(jnp.float32), "reference", (normed_sublayer, None)))

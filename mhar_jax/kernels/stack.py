@@ -18,8 +18,7 @@ cotangent once per source that site reads: the backward moves about as many
 bytes as the forward, where one backward per site reads its sources twice and
 emits a gradient for each of them that autodiff then sums (DESIGN.md §3).
 ``<dx_j, x_j>`` uses the site's output as the forward rounded it (the same
-choice as FlashAttention's ``rowsum(dO * O)``); with ``norm``, ``dx_j`` before
-it is rounded to the sources' dtype (:func:`rms_norm_grad` gives both).
+choice as FlashAttention's ``rowsum(dO * O)``).
 
 **Blocks** (Block AttnRes / Block MHAR, ``blocks=``): sublayers are grouped into
 blocks of consecutive sublayers; a site reads ``[s_0, finished block sums...,
@@ -62,64 +61,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mhar_jax.kernels.reference import _heads, inv_rms, rms_norm
+from mhar_jax.kernels.reference import _heads, inv_rms
 
 Apply = Callable[[int, Any, jax.Array, Any], jax.Array]
 Project = Callable[[int, Any, jax.Array], jax.Array]
-
-
-@dataclasses.dataclass(frozen=True)
-class SublayerRMSNorm:
-  """Sublayer ``j``'s input norm, an RMSNorm over the last axis::
-
-      y = x * rsqrt(mean(x^2) + eps) * scale(j, params[j])
-
-  in float32, the input's dtype out (``layers.basic.RMSNorm``). ``scale(j,
-  p) -> [D]`` reads the gain from the sublayer's parameters; hashable like
-  ``apply`` (a module-level function or a ``functools.partial`` of one).
-  Knowing the norm, the backward takes its gradient in closed form
-  (:func:`rms_norm_grad`), with the inner products the routing needs.
-  """
-  scale: Callable[[int, Any], jax.Array]
-  eps: float = 1e-6
-
-  def __call__(self, j: int, p: Any, x: jax.Array) -> jax.Array:
-    return rms_norm(x, self.scale(j, p), self.eps)
-
-
-def rms_norm_grad(x: jax.Array, scale: jax.Array, dy: jax.Array, eps: float,
-                  num_heads: int):
-  """The gradient of :func:`rms_norm` at ``x [..., D]`` for the cotangent
-  ``dy [..., D]``, with the routing's inner product of it with ``x``.
-
-  With ``r = rsqrt(mean(x^2) + eps)``, ``m = sum_c x_c scale_c dy_c``::
-
-      dx      = r * scale * dy - x * r^3 * m / D
-      dscale  = sum over the leading axes of dy * x * r
-      <dx, x>_h = r * a_h - r^3 * m / D * b_h
-
-  where ``a_h = sum_{c in h} x_c scale_c dy_c`` and ``b_h = sum_{c in h}
-  x_c^2``: one reduction over ``x`` and ``dy`` gives ``m`` and every head's
-  product, which the autodiff form (a reduction for ``m``, then another
-  over ``dx`` and ``x``) reads twice.
-
-  Returns ``(dx [..., D]`` in ``x``'s dtype, ``<dx, x> [..., H]`` float32,
-  ``dscale [D]`` float32).
-  """
-  d = x.shape[-1]
-  x32, dy32 = x.astype(jnp.float32), dy.astype(jnp.float32)
-  r = inv_rms(x, eps)[..., None]
-  gdy = dy32 * scale.astype(jnp.float32)
-  xh = _heads(x32, num_heads)
-  a = jnp.sum(xh * _heads(gdy, num_heads), axis=-1)
-  b = jnp.sum(xh * xh, axis=-1)
-  c = r ** 3 * jnp.sum(a, axis=-1, keepdims=True) / d
-  dx = (r * gdy - x32 * c).astype(x.dtype)
-  # A contraction with r, not a sum of a product with its broadcast: XLA's
-  # GPU backend makes it a reduction either way, but on CPU the broadcast
-  # is shared with the forward's norm and kept, one [..., D] array a site.
-  dscale = jnp.einsum("n,nd->d", r.reshape(-1), (dy32 * x32).reshape(-1, d))
-  return dx, r * a - c * b, dscale
+Norm = Callable[[int, Any, jax.Array], jax.Array]
 
 
 # routed_stack's site_group where groups route on tensor cores. 1b training on
@@ -136,7 +82,7 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
                  blocks: Sequence[int] | None = None,
                  site_group: int | None = None,
                  project: Project | None = None,
-                 norm: SublayerRMSNorm | None = None,
+                 norm: Norm | None = None,
                  recompute_below: int | None = None) -> jax.Array:
   """The output of the last routing site of a fully routed stack.
 
@@ -186,16 +132,16 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
       copy of the sources less in memory for one more projection a
       sublayer. An identity ``project`` (``u`` is the output) keeps that
       sublayer's output.
-    norm: a :class:`SublayerRMSNorm`, sublayer ``j``'s first step (its
-      input norm), whose input is the site's output ``x_j``. Given,
-      ``apply`` takes the norm's output ``y`` (the sublayer is
+    norm: ``norm(j, params[j], x) -> y``, hashable like ``apply``: sublayer
+      ``j``'s first step (its input norm), whose input is the site's output
+      ``x_j``. Given, ``apply`` takes ``y`` (the sublayer is
       ``apply(j, p, norm(j, p, x), consts)``) and the stack keeps no site's
       output: the backward recomputes ``x_j`` from the kept sources when it
       reaches sublayer ``j`` (full method: one pass a group of sites over
       the sources they read, site ``k`` reading ``s_0 .. s_k``
       (``triton_stack.sites(causal=True)`` on tensor cores); blocks: each
       site over its block sums and partial sum), then takes the norm's
-      gradient (:func:`rms_norm_grad`). The norm's input is what the baseline keeps for its norms:
+      gradient. The norm's input is what the baseline keeps for its norms:
       one ``[..., D]`` array a sublayer less in memory for one more routing
       pass. Not with ``project`` (it needs the sources kept).
     recompute_below: with ``norm``, only the sites ``0 .. recompute_below -
@@ -231,9 +177,6 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
     raise ValueError("routed_stack: norm (recompute the sites' outputs) needs"
                      " the sources kept; it cannot be combined with project"
                      " (recompute the sources). Pass one of them.")
-  if norm is not None and not isinstance(norm, SublayerRMSNorm):
-    raise ValueError(f"routed_stack: norm={norm!r} must be a SublayerRMSNorm"
-                     " (the sublayers' input RMSNorm: its gain and epsilon).")
   if recompute_below is not None and (norm is None or not
                                       0 <= int(recompute_below) <= n):
     raise ValueError(f"routed_stack: recompute_below={recompute_below} needs"
@@ -913,19 +856,18 @@ def _stack_bwd(fns, plan, res, g):
     elif norm is not None:     # the norm's gradient at x_j (recomputed)
       x_j = xs[j] if xs[j] is not None else routed_input(j, dy)
       dparams[j], dyn = vjps[j](dy)
-      scale, scale_vjp = jax.vjp(functools.partial(norm.scale, j), params[j])
-      dx, xd_j, dscale = rms_norm_grad(x_j, scale, dyn, norm.eps, h)
-      dparams[j] = jax.tree.map(jnp.add, dparams[j], scale_vjp(
-          dscale.astype(scale.dtype))[0])
+      dp_norm, dx = jax.vjp(functools.partial(norm, j), params[j], x_j)[1](
+          dyn)
+      dparams[j] = jax.tree.map(jnp.add, dparams[j], dp_norm)
     else:
       dparams[j], dx = vjps[j](dy)
     if norm is None:
-      xd_j = dot_heads(dx, xs[j])
+      x_j = xs[j]
     if plan.use_buffers:
       put(j, dx)
-      xd = xd.at[j + off].set(xd_j)
+      xd = xd.at[j + off].set(dot_heads(dx, x_j))
     else:
-      dxs[j], xds[j] = dx, xd_j
+      dxs[j], xds[j] = dx, dot_heads(dx, x_j)
     if partial_r[j] is not None:
       src = partials[j] if us is None else sums.pop(("site", j))
       dy = dy + _grad_of(src, partial_r[j], j, 1)

@@ -287,9 +287,9 @@ def _apply_sublayer(j, state, x, positions, *, graphdefs, split=None,
   return u if split is not None and split[j] else sublayer.project(u)
 
 
-def _norm_scale(j, state, *, graphdefs):
-  """Sublayer ``j``'s input-norm gain ``[D]`` as a pure function of its state."""
-  return nnx.merge(graphdefs[j], state).norm.scale[...]
+def _norm_sublayer(j, state, x, *, graphdefs):
+  """Sublayer ``j``'s input norm as a pure function of its state."""
+  return nnx.merge(graphdefs[j], state).norm(x)
 
 
 def _project_sublayer(j, state, u, *, graphdefs, split):
@@ -407,7 +407,7 @@ class Transformer(nnx.Module):
   def _stacked(self, h, subs, positions):
     """AttnRes / MHAR (full or block) as one ``routed_stack`` (source-major
     backward)."""
-    from mhar_jax.kernels.stack import SublayerRMSNorm, routed_stack
+    from mhar_jax.kernels.stack import routed_stack
     graphdefs, states = zip(*(nnx.split(f) for f in subs))
     recompute = self.cfg.recompute_sources
     split = project = None
@@ -420,9 +420,7 @@ class Transformer(nnx.Module):
     # the lowest sites, rounded half up: 0.5 of 9 sublayers is 5
     below = int(self.cfg.recompute_site_outputs * len(subs) + 0.5)
     if below:
-      norm = SublayerRMSNorm(
-          functools.partial(_norm_scale, graphdefs=tuple(graphdefs)),
-          self.cfg.norm_eps)
+      norm = functools.partial(_norm_sublayer, graphdefs=tuple(graphdefs))
     apply = functools.partial(_apply_sublayer, graphdefs=tuple(graphdefs),
                               split=split, normed=norm is not None)
     if self.cfg.remat:
