@@ -4,14 +4,16 @@ With ``recompute_site_outputs``, the backward of each routed sublayer takes
 its input RMSNorm's gradient itself (``jax.vjp`` of the norm) at the site's
 output ``x [N, D]`` for the cotangent ``dy`` of the norm's output, writes
 ``dx`` into a row of the cotangent buffer and takes ``<dx, x>`` per head (the
-routing's backward) and the gain's gradient. Timed here alone, XLA-compiled
-(bf16 ``x`` and ``dy``, a ``[4, N, D]`` bf16 buffer donated and updated in
-place): the case for one fused kernel.
+routing's backward) and the gain's gradient. Timed here alone, XLA-compiled,
+``--sites`` sites in turn in one jitted call (bf16 ``x`` and ``dy``; the
+cotangent buffer and the ``<dx, x>`` rows donated and updated in place):
+the case for one fused kernel.
 
 Bytes: the least any implementation moves is ``x`` and ``dy`` read once and
 ``dx`` written once, ``3 N D`` bf16 elements; reported as GB/s of that and
-as a share of a device copy's bandwidth measured in the same run. Median of
-``--reps`` calls after a warm-up.
+as a share of a device copy's bandwidth measured in the same run, and the
+time a site would take at that copy bandwidth (``floor ms``). Median of
+``--reps`` calls after a warm-up, divided by the sites a call.
 
 Usage (on the device machine, after ``source benchmarks/gpu_env.sh``)::
 
@@ -39,14 +41,27 @@ from stack_routing import copy_bandwidth, median_ms  # noqa: E402
 EPS = 1e-6
 
 
-def norm_backward(x, scale, dy, buf, row, heads):
-  """``(buf with dx in row, <dx, x> [N, H], dgain [D])``, as the stack
-  takes them."""
+def norm_backward(x, scale, dy, heads):
+  """``(dx, <dx, x> [N, H], dgain [D])`` of one site, as the stack takes
+  them."""
   _, vjp = jax.vjp(lambda x, s: reference.rms_norm(x, s, EPS), x, scale)
   dx, dscale = vjp(dy)
   xd = jnp.einsum("...hc,...hc->...h", reference._heads(dx, heads),
                   reference._heads(x, heads))
-  return buf.at[row].set(dx), xd, dscale
+  return dx, xd, dscale
+
+
+def sites_backward(xs, scales, dys, buf, xd, heads):
+  """Every site's norm backward in turn (``xs``, ``dys [K, N, D]``,
+  ``scales [K, D]``), ``dx`` into row ``k + 1`` of ``buf [K + 1, N, D]``
+  and ``<dx, x>`` into row ``k`` of ``xd [K, N, H]`` in place, as the
+  stack's backward writes them; returns ``(buf, xd, dgains [K, D])``."""
+  dscales = []
+  for k in range(xs.shape[0]):
+    dx, xd_k, dscale = norm_backward(xs[k], scales[k], dys[k], heads)
+    buf, xd = buf.at[k + 1].set(dx), xd.at[k].set(xd_k)
+    dscales.append(dscale)
+  return buf, xd, jnp.stack(dscales)
 
 
 def main():
@@ -55,28 +70,35 @@ def main():
   p.add_argument("--widths", default="512,1024,1280",
                  help="comma list of D (the 100m / 350m / 1b presets')")
   p.add_argument("--heads", type=int, default=8)
-  p.add_argument("--reps", type=int, default=30)
+  p.add_argument("--sites", type=int, default=8,
+                 help="sites a call (one jitted function, in turn)")
+  p.add_argument("--reps", type=int, default=20)
   args = p.parse_args()
   copy_gbs = copy_bandwidth() / 1e9
-  print(f"device {jax.devices()[0].device_kind}; copy {copy_gbs:.0f} GB/s")
-  print(f"\n{'D':>6} {'ms':>8} {'GB/s':>7} {'% copy':>7}")
+  print(f"device {jax.devices()[0].device_kind}; copy {copy_gbs:.0f} GB/s;"
+        f" {args.tokens} tokens, {args.heads} heads, {args.sites} sites a call")
+  print(f"\n{'D':>6} {'ms/site':>8} {'floor ms':>9} {'GB/s':>7} {'% copy':>7}")
+  k, n = args.sites, args.tokens
   for d in map(int, args.widths.split(",")):
     rng = np.random.default_rng(d)
-    x = jnp.asarray(rng.normal(size=(args.tokens, d)) * 2, jnp.bfloat16)
-    dy = jnp.asarray(rng.normal(size=(args.tokens, d)), jnp.bfloat16)
-    scale = jnp.asarray(1 + 0.3 * rng.normal(size=(d,)), jnp.float32)
-    f = jax.jit(functools.partial(norm_backward, heads=args.heads),
-                donate_argnums=3, static_argnums=4)
-    buf = jnp.zeros((4, args.tokens, d), jnp.bfloat16)
+    xs = jnp.asarray(rng.normal(size=(k, n, d)) * 2, jnp.bfloat16)
+    dys = jnp.asarray(rng.normal(size=(k, n, d)), jnp.bfloat16)
+    scales = jnp.asarray(1 + 0.3 * rng.normal(size=(k, d)), jnp.float32)
+    f = jax.jit(functools.partial(sites_backward, heads=args.heads),
+                donate_argnums=(3, 4))
+    bufs = (jnp.zeros((k + 1, n, d), jnp.bfloat16),
+            jnp.zeros((k, n, args.heads), jnp.float32))
 
-    def call(x, scale, dy):
-      nonlocal buf
-      buf, xd, dscale = f(x, scale, dy, buf, 2)
-      return xd, dscale
+    def call(xs, scales, dys):
+      nonlocal bufs
+      *bufs, dscales = f(xs, scales, dys, *bufs)
+      return dscales
 
-    ms = median_ms(call, (x, scale, dy), reps=args.reps)
-    gbs = 3 * args.tokens * d * 2 / 1e9 / (ms / 1e3)
-    print(f"{d:>6} {ms:8.3f} {gbs:7.0f} {100 * gbs / copy_gbs:7.1f}")
+    ms = median_ms(call, (xs, scales, dys), reps=args.reps) / k
+    gb = 3 * n * d * 2 / 1e9           # x and dy read, dx written (bf16)
+    gbs = gb / (ms / 1e3)
+    print(f"{d:>6} {ms:8.3f} {1e3 * gb / copy_gbs:9.3f} {gbs:7.0f}"
+          f" {100 * gbs / copy_gbs:7.1f}")
 
 
 if __name__ == "__main__":
