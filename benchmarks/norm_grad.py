@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from mhar_jax.kernels import reference  # noqa: E402
+from mhar_jax.kernels import reference, stack  # noqa: E402
 from stack_routing import copy_bandwidth, median_ms  # noqa: E402
 
 EPS = 1e-6
@@ -46,9 +46,7 @@ def norm_backward(x, scale, dy, heads):
   them."""
   _, vjp = jax.vjp(lambda x, s: reference.rms_norm(x, s, EPS), x, scale)
   dx, dscale = vjp(dy)
-  xd = jnp.einsum("...hc,...hc->...h", reference._heads(dx, heads),
-                  reference._heads(x, heads))
-  return dx, xd, dscale
+  return dx, stack.dot_heads(dx, x, heads), dscale
 
 
 def sites_backward(xs, scales, dys, buf, xd, heads):

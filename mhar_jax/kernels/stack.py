@@ -581,6 +581,13 @@ def _source_grad_lists(s, r, dxs, xs_dot, t, lses, num_heads):
   return ds.reshape(s.shape).astype(s.dtype), jnp.stack(dts).reshape(-1, d)
 
 
+def dot_heads(a: jax.Array, b: jax.Array, num_heads: int) -> jax.Array:
+  """``[..., D], [..., D] -> [..., H]``: each head's inner product in float32
+  (a site's ``<dx_j, x_j>``)."""
+  return jnp.einsum("...hc,...hc->...h", _heads(a, num_heads),
+                    _heads(b, num_heads))
+
+
 def _stack_bwd(fns, plan, res, g):
   (done, done_r, partials, partial_r, xs, lses, vjps, t, us), params, \
       queries, gains, consts = res
@@ -590,9 +597,6 @@ def _stack_bwd(fns, plan, res, g):
   tt = t.reshape(n + 1, -1)
   dt = jnp.zeros_like(tt)
   dparams = [None] * n
-
-  def dot_heads(a, b):
-    return jnp.einsum("...hc,...hc->...h", _heads(a, h), _heads(b, h))
 
   # The backward takes the full method's sources in groups [a, b) from the
   # top when the forward's groups route on tensor cores (or, on the jnp path,
@@ -647,12 +651,12 @@ def _stack_bwd(fns, plan, res, g):
     dtype = done[0].dtype
     cots = {0: done} if shared else {}
     xd = jnp.zeros((n + 1 + off, *g.shape[:-1], h), jnp.float32).at[
-        n + off].set(dot_heads(g, xs[n]))
+        n + off].set(dot_heads(g, xs[n], h))
     lse = jnp.stack([jnp.zeros_like(lses[0])] * off + lses)
     rows_t = jnp.pad(tt, ((off, 0), (0, 0)))
   else:
     dxs, xds = [None] * (n + 1), [None] * (n + 1)
-    dxs[n], xds[n] = g, dot_heads(g, xs[n])
+    dxs[n], xds[n] = g, dot_heads(g, xs[n], h)
 
   def put(k, dx):
     """Site ``k``'s cotangent into its span's buffer (made if new)."""
@@ -865,9 +869,9 @@ def _stack_bwd(fns, plan, res, g):
       x_j = xs[j]
     if plan.use_buffers:
       put(j, dx)
-      xd = xd.at[j + off].set(dot_heads(dx, x_j))
+      xd = xd.at[j + off].set(dot_heads(dx, x_j, h))
     else:
-      dxs[j], xds[j] = dx, dot_heads(dx, x_j)
+      dxs[j], xds[j] = dx, dot_heads(dx, x_j, h)
     if partial_r[j] is not None:
       src = partials[j] if us is None else sums.pop(("site", j))
       dy = dy + _grad_of(src, partial_r[j], j, 1)
