@@ -13,6 +13,8 @@
 #            stack with norm, every site (f32, bf16)
 #   share    ... the lowest sites only (recompute_below)
 #   causal   the causal sites kernel (what recomputes them in groups)
+#   norm     the sublayer norms' backward kernel, alone and in the stack
+#            with no site recomputed (every norm's gradient by the kernel)
 #   route    tests/test_triton_route.py (route() alone)
 #   split    the sites kernel's weights as two terms (default) and one (bf16 lead9)
 # Each part's verbose output goes to $OUT/gpu-tests-PART.txt (so a part cut
@@ -27,15 +29,16 @@ declare -A SEL=(
   [bf16]="matches_reference and bfloat16"
   [rms]="inverse_rms" [decoder]="decoder"
   [outputs]="recomputed_site_outputs and not below"
-  [share]="recomputed_site_outputs and below" [causal]="causal_sites"
+  [share]="recomputed_site_outputs and below and not below0" [causal]="causal_sites"
+  [norm]="norm_grad_kernel or below0"
   [split]="split_weights or (matches_reference and bfloat16 and lead9)")
-for part in ${@:-ffi kernels f32 bf16 rms decoder route outputs share causal}; do
+for part in ${@:-ffi kernels f32 bf16 rms decoder route outputs share causal norm}; do
   if [[ $part == route ]]; then
     args=(tests/test_triton_route.py)
   elif [[ -n ${SEL[$part]:-} ]]; then
     args=(tests/test_stack_gpu.py -k "${SEL[$part]}")
   else
-    echo "gpu_tests.sh: no part '$part' (ffi kernels f32 bf16 rms decoder route outputs share causal split)"
+    echo "gpu_tests.sh: no part '$part' (ffi kernels f32 bf16 rms decoder route outputs share causal norm split)"
     exit 2
   fi
   timeout "$TIMEOUT" python3 -m pytest -o addopts="" -v --tb=short -rP \

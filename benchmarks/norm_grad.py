@@ -1,13 +1,13 @@
 """A sublayer input norm's backward as ``routed_stack`` takes it, against its byte floor.
 
-With ``recompute_site_outputs``, the backward of each routed sublayer takes
-its input RMSNorm's gradient itself (``jax.vjp`` of the norm) at the site's
-output ``x [N, D]`` for the cotangent ``dy`` of the norm's output, writes
-``dx`` into a row of the cotangent buffer and takes ``<dx, x>`` per head (the
-routing's backward) and the gain's gradient. Timed here alone, XLA-compiled,
-``--sites`` sites in turn in one jitted call (bf16 ``x`` and ``dy``; the
-cotangent buffer and the ``<dx, x>`` rows donated and updated in place):
-the case for one fused kernel.
+The backward of each routed sublayer takes its input RMSNorm's gradient
+itself at the site's output ``x [N, D]`` for the cotangent ``dy`` of the
+norm's output, writes ``dx`` into a row of the cotangent buffer and takes
+``<dx, x>`` per head (the routing's backward) and the gain's gradient. Timed
+here alone, ``--sites`` sites in turn in one jitted call (bf16 ``x`` and
+``dy``; the cotangent buffer and the ``<dx, x>`` rows donated and updated in
+place), two ways: ``xla``, autodiff of the norm (the jnp path), and
+``kernel``, ``triton_stack.norm_grad`` (the Triton path; GPU only).
 
 Bytes: the least any implementation moves is ``x`` and ``dy`` read once and
 ``dx`` written once, ``3 N D`` bf16 elements; reported as GB/s of that and
@@ -49,15 +49,22 @@ def norm_backward(x, scale, dy, heads):
   return dx, stack.dot_heads(dx, x, heads), dscale
 
 
-def sites_backward(xs, scales, dys, buf, xd, heads):
+def sites_backward(xs, scales, dys, buf, xd, heads, kernel=False):
   """Every site's norm backward in turn (``xs``, ``dys [K, N, D]``,
   ``scales [K, D]``), ``dx`` into row ``k + 1`` of ``buf [K + 1, N, D]``
   and ``<dx, x>`` into row ``k`` of ``xd [K, N, H]`` in place, as the
-  stack's backward writes them; returns ``(buf, xd, dgains [K, D])``."""
+  stack's backward writes them (``kernel``: by ``triton_stack.norm_grad``);
+  returns ``(buf, xd, dgains [K, D])``."""
   dscales = []
   for k in range(xs.shape[0]):
-    dx, xd_k, dscale = norm_backward(xs[k], scales[k], dys[k], heads)
-    buf, xd = buf.at[k + 1].set(dx), xd.at[k].set(xd_k)
+    if kernel:
+      from mhar_jax.kernels import triton_stack
+      buf, xd_k, dscale = triton_stack.norm_grad(xs[k], scales[k], dys[k],
+                                                 EPS, heads, buf, k + 1)
+    else:
+      dx, xd_k, dscale = norm_backward(xs[k], scales[k], dys[k], heads)
+      buf = buf.at[k + 1].set(dx)
+    xd = xd.at[k].set(xd_k)
     dscales.append(dscale)
   return buf, xd, jnp.stack(dscales)
 
@@ -75,28 +82,42 @@ def main():
   copy_gbs = copy_bandwidth() / 1e9
   print(f"device {jax.devices()[0].device_kind}; copy {copy_gbs:.0f} GB/s;"
         f" {args.tokens} tokens, {args.heads} heads, {args.sites} sites a call")
-  print(f"\n{'D':>6} {'ms/site':>8} {'floor ms':>9} {'GB/s':>7} {'% copy':>7}")
+  ways = ["xla"] + (["kernel"] if jax.default_backend() == "gpu" else [])
+  print(f"\n{'D':>6} {'way':>7} {'ms/site':>8} {'floor ms':>9} {'GB/s':>7}"
+        f" {'% copy':>7} {'/ xla':>6} {'max |diff|':>10}")
   k, n = args.sites, args.tokens
   for d in map(int, args.widths.split(",")):
     rng = np.random.default_rng(d)
     xs = jnp.asarray(rng.normal(size=(k, n, d)) * 2, jnp.bfloat16)
     dys = jnp.asarray(rng.normal(size=(k, n, d)), jnp.bfloat16)
     scales = jnp.asarray(1 + 0.3 * rng.normal(size=(k, d)), jnp.float32)
-    f = jax.jit(functools.partial(sites_backward, heads=args.heads),
-                donate_argnums=(3, 4))
-    bufs = (jnp.zeros((k + 1, n, d), jnp.bfloat16),
-            jnp.zeros((k, n, args.heads), jnp.float32))
+    times, outs = {}, {}
+    for way in ways:
+      f = jax.jit(functools.partial(sites_backward, heads=args.heads,
+                                    kernel=way == "kernel"),
+                  donate_argnums=(3, 4))
+      bufs = (jnp.zeros((k + 1, n, d), jnp.bfloat16),
+              jnp.zeros((k, n, args.heads), jnp.float32))
 
-    def call(xs, scales, dys):
-      nonlocal bufs
-      *bufs, dscales = f(xs, scales, dys, *bufs)
-      return dscales
+      def call(xs, scales, dys):
+        nonlocal bufs
+        *bufs, dscales = f(xs, scales, dys, *bufs)
+        return dscales
 
-    ms = median_ms(call, (xs, scales, dys), reps=args.reps) / k
-    gb = 3 * n * d * 2 / 1e9           # x and dy read, dx written (bf16)
-    gbs = gb / (ms / 1e3)
-    print(f"{d:>6} {ms:8.3f} {1e3 * gb / copy_gbs:9.3f} {gbs:7.0f}"
-          f" {100 * gbs / copy_gbs:7.1f}")
+      times[way] = median_ms(call, (xs, scales, dys), reps=args.reps) / k
+      dscales = call(xs, scales, dys)
+      outs[way] = (bufs[0][1:], bufs[1], dscales)
+      gb = 3 * n * d * 2 / 1e9         # x and dy read, dx written (bf16)
+      gbs = gb / (times[way] / 1e3)
+      # the kernel's outputs against XLA's (dx, <dx, x>, dgain), largest
+      # difference relative to the largest element
+      diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32)
+                                       - b.astype(jnp.float32)))
+                       / jnp.max(jnp.abs(b.astype(jnp.float32))))
+                 for a, b in zip(outs[way], outs["xla"]))
+      print(f"{d:>6} {way:>7} {times[way]:8.3f} {1e3 * gb / copy_gbs:9.3f}"
+            f" {gbs:7.0f} {100 * gbs / copy_gbs:7.1f}"
+            f" {times[way] / times['xla']:6.3f} {diff:10.2e}")
 
 
 if __name__ == "__main__":

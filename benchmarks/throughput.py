@@ -38,7 +38,7 @@ the routing implementation (e.g. ``mhar:reference``) and ``+KEY=VALUE`` to
 override a model config key (e.g. ``prenorm+remat=True``; another section's
 with its name, ``mhar+train.loss_chunk_tokens=8192``; a Triton kernel's tuning
 with ``kernels.NAME``, NAME one of ``route``, ``source_grad``, ``sites``,
-``sources``, ``query_gain``: ``mhar+kernels.sites.warps=2``; an XLA flag
+``sources``, ``query_gain``, ``norm``: ``mhar+kernels.sites.warps=2``; an XLA flag
 with ``xla.``, added to that run's ``XLA_FLAGS``, ``;`` for ``,`` in its
 value: ``mhar+xla.xla_gpu_enable_command_buffer=FUSION;CUBLAS``). Presets are
 config files in ``configs/`` (``100m``, ``350m``, ``1b``, ``bench100m``, ...).
@@ -87,7 +87,8 @@ def kernel_tunings() -> dict:
   return {"route": triton_route.TUNING, "source_grad": triton_stack.TUNING,
           "sites": triton_stack.SITES_TUNING,
           "sources": triton_stack.SOURCES_TUNING,
-          "query_gain": triton_stack.QGRAD_TUNING}
+          "query_gain": triton_stack.QGRAD_TUNING,
+          "norm": triton_stack.NORM_TUNING}
 
 
 def load_preset(name):

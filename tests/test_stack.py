@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mhar_jax.kernels import reference
-from mhar_jax.kernels.stack import routed_stack
+from mhar_jax.kernels.stack import SublayerRMSNorm, routed_stack
 
 
 def toy_sublayer(j, p, x, consts):
@@ -204,6 +204,14 @@ def toy_norm(j, p, x):
   return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * p["g"]
 
 
+def toy_scale(j, p):
+  return p["g"]
+
+
+# the same norm, as the stack takes it
+TOY_NORM = SublayerRMSNorm(toy_scale, 1e-6)
+
+
 def normed(j, p, x, consts):
   return toy_sublayer(j, p, toy_norm(j, p, x), consts)
 
@@ -234,10 +242,10 @@ def test_recomputed_site_outputs_match_the_loop(blocks, site_group, buffers,
   plan = stack._Plan(num_heads, 1e-6, "reference", blocks=blk,
                      buffers=buffers, site_group=site_group,
                      recompute_below=below)
-  assert_stack_is_the_block_loop(plan, (toy_sublayer, None, toy_norm), normed,
+  assert_stack_is_the_block_loop(plan, (toy_sublayer, None, TOY_NORM), normed,
                                  h, params, queries, gains, consts, cot)
   xs = stack._forward(h, params, queries, gains, consts,
-                      (toy_sublayer, None, toy_norm), plan, save=True)[1][4]
+                      (toy_sublayer, None, TOY_NORM), plan, save=True)[1][4]
   k = n if below is None else below
   assert [x is None for x in xs] == [j < k for j in range(n + 1)]
 
@@ -260,9 +268,9 @@ def test_recomputed_site_outputs_are_not_kept():
   whole = lambda j, p, x, c: body(j, p, toy_norm(j, p, x), c)  # noqa: E731
   temp = {}
   for name, fns, below in (("kept", (whole, None, None), None),
-                           ("recomputed", (body, None, toy_norm), None),
-                           ("lower half", (body, None, toy_norm), n // 2),
-                           ("none", (body, None, toy_norm), 0)):
+                           ("recomputed", (body, None, TOY_NORM), None),
+                           ("lower half", (body, None, TOY_NORM), n // 2),
+                           ("none", (body, None, TOY_NORM), 0)):
     plan = stack._Plan(4, 1e-6, "reference", buffers=True, site_group=4,
                        recompute_below=below)
     f = lambda h, p: jnp.sum(stack._stack(h, p, queries, gains, None, fns,  # noqa: E731
@@ -276,13 +284,20 @@ def test_recomputed_site_outputs_are_not_kept():
   assert abs(temp["none"] - temp["kept"]) <= array, temp
 
 
+def test_norm_must_be_the_stacks_rms_norm():
+  h, params, queries, gains, consts, _ = problem(2, 8)
+  with pytest.raises(ValueError, match="norm=.*SublayerRMSNorm"):
+    routed_stack(h, params, toy_sublayer, queries, gains, consts,
+                 num_heads=2, norm=toy_norm)
+
+
 def test_norm_and_project_are_exclusive():
   h, params, queries, gains, consts, _ = problem(2, 8)
   with pytest.raises(ValueError, match="norm.*project"):
     routed_stack(h, params, toy_sublayer, queries, gains, consts,
-                 num_heads=2, project=lambda j, p, u: u, norm=toy_norm)
-  for kw in (dict(recompute_below=1), dict(norm=toy_norm, recompute_below=3),
-             dict(norm=toy_norm, recompute_below=-1)):
+                 num_heads=2, project=lambda j, p, u: u, norm=TOY_NORM)
+  for kw in (dict(recompute_below=1), dict(norm=TOY_NORM, recompute_below=3),
+             dict(norm=TOY_NORM, recompute_below=-1)):
     with pytest.raises(ValueError, match="recompute_below="):
       routed_stack(h, params, toy_sublayer, queries, gains, consts,
                    num_heads=2, **kw)

@@ -21,7 +21,7 @@ if jax.default_backend() != "gpu":
   pytest.skip("Triton kernels need a CUDA GPU", allow_module_level=True)
 pytest.importorskip("jax_triton")
 
-from mhar_jax.kernels.stack import routed_stack
+from mhar_jax.kernels.stack import SublayerRMSNorm, routed_stack
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
@@ -222,8 +222,50 @@ def norm(j, p, x):
   return (y * p["g"]).astype(x.dtype)
 
 
+def gain(j, p):
+  return p["g"]
+
+
 def normed_sublayer(j, p, x, consts):
   return sublayer(j, p, norm(j, p, x), consts)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("d,heads,n_tok", [(1280, 8, 1000), (512, 8, 4099),
+                                           (1024, 16, 77), (64, 4, 1000),
+                                           (48, 1, 5)])
+def test_norm_grad_kernel_against_autodiff(dtype, d, heads, n_tok):
+  """``norm_grad_local`` (a sublayer RMSNorm's backward into a buffer row)
+  against the VJP of ``reference.rms_norm`` in float32 at the same inputs:
+  ``dx`` (its row NaN before: an unwritten element fails; the other rows
+  kept bit for bit), ``<dx, x>`` per head (to the size of its terms, which
+  cancel), the gain's gradient; outputs poisoned first."""
+  from mhar_jax.kernels import reference, stack, triton_route, triton_stack
+  ks = jax.random.split(jax.random.key(d + n_tok), 4)
+  x = (jax.random.normal(ks[0], (n_tok, d)) * 1.7 + 0.2).astype(dtype)
+  dy = jax.random.normal(ks[1], (n_tok, d)).astype(dtype)
+  scale = 1 + 0.3 * jax.random.normal(ks[2], (d,))
+  buf = jax.random.normal(ks[3], (3, n_tok, d)).astype(dtype)
+  buf = buf.at[1].set(jnp.nan)
+  with triton_route.poison_outputs():
+    out, xd, dscale = jax.jit(
+        lambda *a: triton_stack.norm_grad_local(*a[:3], 1e-6, heads, a[3], 1))(
+            x, scale, dy, buf)
+  x32, dy32 = x.astype(jnp.float32), dy.astype(jnp.float32)
+  with jax.default_matmul_precision("highest"):
+    _, vjp = jax.vjp(lambda x, s: reference.rms_norm(x, s, 1e-6), x32, scale)
+    dx, want_dscale = vjp(dy32)
+    want_xd = stack.dot_heads(dx, x32, heads)
+    size_xd = stack.dot_heads(jnp.abs(dx), jnp.abs(x32), heads)
+  assert out.dtype == dtype and xd.shape == (n_tok, heads)
+  for k in (0, 2):
+    np.testing.assert_array_equal(np.asarray(out[k], np.float32),
+                                  np.asarray(buf[k], np.float32))
+  assert rel(out[1], dx) <= TOL[dtype]
+  assert rel(dscale, want_dscale) <= TOL[dtype]
+  err = np.abs(np.asarray(xd, np.float64) - np.asarray(want_xd, np.float64))
+  assert np.isfinite(err).all()
+  assert err.max() <= TOL[dtype] * float(jnp.max(size_xd))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -235,7 +277,11 @@ def normed_sublayer(j, p, x, consts):
     # the lowest sites only (groups (0, 15), (15, 31), (31, 41) cut at 20)
     pytest.param((2, 37), 64, 4, 40, None, 16, 20, id="below20-full"),
     pytest.param((2, 37), 64, 4, 5, (0, 0, 1, 1, 1), 0, 3,
-                 id="below3-blocks")])
+                 id="below3-blocks"),
+    # none recomputed: every norm's gradient by its kernel
+    pytest.param((3, 160), 1280, 8, 17, None, 16, 0, id="below0-full"),
+    pytest.param((2, 37), 64, 4, 5, (0, 0, 1, 1, 1), 0, 0,
+                 id="below0-blocks")])
 def test_triton_stack_recomputed_site_outputs(dtype, lead, d, heads, n, blocks,
                                               site_group, below):
   """``routed_stack(norm=...)`` on Triton (the sites' outputs recomputed in
@@ -266,7 +312,7 @@ def test_triton_stack_recomputed_site_outputs(dtype, lead, d, heads, n, blocks,
     return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True))(
         h, params, queries, gains)
 
-  got = run(h, "triton", (sublayer, norm))
+  got = run(h, "triton", (sublayer, SublayerRMSNorm(gain, 1e-6)))
   want = run(h, "reference", (normed_sublayer, None))
   assert_matches(dtype, got, want, lambda: run(
       h.astype(jnp.float32), "reference", (normed_sublayer, None)))

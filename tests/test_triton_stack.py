@@ -30,6 +30,43 @@ def kernel_module():
                                  "mhar_jax.kernels.triton_stack")
 
 
+
+@pytest.mark.parametrize("n_tok,d,h,one_program", [
+    (37, 64, 4, False), (37, 64, 4, True),   # one program: every tile in turn
+    (6, 320, 2, True),     # C = 160 = 128 + 32, as at 1b
+    (5, 48, 16, False), (9, 24, 1, True), (3, 40, 8, False)])
+def test_norm_grad_matches_autodiff(kernel_module, monkeypatch, n_tok, d, h,
+                                    one_program):
+  """``norm_grad_local`` (the kernel through the jax-triton stand-in) against
+  the VJP of ``reference.rms_norm`` and ``stack.dot_heads``: ``dx`` in its row
+  of the buffer (the other rows kept), ``<dx, x>`` per head, the gain's
+  gradient summed over the programs."""
+  ts = kernel_module
+  monkeypatch.setattr(ts.tr, "_launch", interpreted_launch)
+  if one_program:
+    monkeypatch.setattr(ts.tr, "_num_sms", lambda: 1)
+    monkeypatch.setitem(ts.NORM_TUNING, "programs_per_sm", 1)
+    monkeypatch.setitem(ts.NORM_TUNING, "elems_per_thread", 1)
+    bn, progs = ts.norm_grad_programs(n_tok, d, h)
+    assert progs == 1 and bn < n_tok, (bn, progs)
+  rng = np.random.default_rng(n_tok + d + h)
+  x = jnp.asarray(rng.normal(size=(n_tok, d)) * 1.7, jnp.float32)
+  dy = jnp.asarray(rng.normal(size=(n_tok, d)), jnp.float32)
+  scale = jnp.asarray(1 + 0.3 * rng.normal(size=d), jnp.float32)
+  buf = jnp.asarray(rng.normal(size=(3, n_tok, d)), jnp.float32)
+  out, xd, dscale = ts.norm_grad_local(x, scale, dy, 1e-6, h, buf, 1)
+  _, vjp = jax.vjp(lambda x, s: reference.rms_norm(x, s, 1e-6), x, scale)
+  dx, dscale_ref = vjp(dy)
+  np.testing.assert_array_equal(out[0], buf[0])
+  np.testing.assert_array_equal(out[2], buf[2])
+  # <dx, x> cancels (exactly 0 over all channels as eps -> 0): its error is
+  # measured against the size of its terms, sum_c |dx_c x_c|.
+  for a, b, size in ((out[1], dx, dx), (dscale, dscale_ref, dscale_ref),
+                     (xd, stack.dot_heads(dx, x, h),
+                      stack.dot_heads(jnp.abs(dx), jnp.abs(x), h))):
+    np.testing.assert_allclose(a, b, rtol=0,
+                               atol=1e-5 * float(jnp.abs(size).max()))
+
 def _site_buffers(rng, s, h, rows):
   """Random site buffers ``(dX, t, lse, xd)`` for sources ``s [G, N, D]``,
   with each log-sum-exp at least every source's logit (w <= 1, as in a real
@@ -378,13 +415,22 @@ def _norm(j, p, x):
   return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * p["g"]
 
 
+def _gain(j, p):
+  return p["g"]
+
+
+_NORM = stack.SublayerRMSNorm(_gain, 1e-6)   # _norm, as the stack takes it
+
+
 @pytest.mark.parametrize("n,blocks,site_group,below", [
     (5, None, 3, 5),     # groups [0, 2), [2, 5) recomputed; site 5 kept
     (5, None, 0, 5),     # site by site from the list of sources
     (17, None, 16, 17),  # [0, 15) and [15, 17): one site left below site 17
     (5, (0, 0, 1, 1, 1), 0, 5),
     (5, None, 3, 3),     # the lowest sites: [0, 2) and [2, 3) recomputed
-    (5, (0, 0, 1, 1, 1), 0, 2)])
+    (5, (0, 0, 1, 1, 1), 0, 2),
+    (5, None, 3, 0),     # none recomputed: every norm's gradient by the kernel
+    (5, (0, 0, 1, 1, 1), 0, 0)])
 def test_routed_stack_recomputes_site_outputs(kernel_module, monkeypatch, n,
                                               blocks, site_group, below):
   """``routed_stack``'s Triton path with ``norm``: the backward recomputes
@@ -419,7 +465,7 @@ def test_routed_stack_recomputes_site_outputs(kernel_module, monkeypatch, n,
       out, vjp = jax.vjp(f, x0, params, q, g)
       return out, vjp(cot)
 
-  out_t, grads_t = run("triton", (_sublayer, None, _norm))
+  out_t, grads_t = run("triton", (_sublayer, None, _NORM))
   groups = stack._Plan(h, 1e-6, "triton", blocks=blk,
                        site_group=site_group).site_groups(n)
   full_groups = blocks is None and site_group >= 2
@@ -429,9 +475,10 @@ def test_routed_stack_recomputes_site_outputs(kernel_module, monkeypatch, n,
   assert calls.count(("sites_kernel", False)) == (
       len(groups) if full_groups else 0), calls
   # site by site: once in the forward and once recomputed (below ``below``)
+  assert calls.count(("norm_grad_kernel", False)) == n, calls
   fwd = calls.count(("_fwd_kernel", False))
   assert fwd == (n + 1 - len(groups) if full_groups else n + 1 + below), calls
-  for fns in ((_sublayer, None, _norm), (normed, None, None)):
+  for fns in ((_sublayer, None, _NORM), (normed, None, None)):
     out_r, grads_r = run("reference", fns)
     np.testing.assert_allclose(out_t, out_r, rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(grads_t), jax.tree.leaves(grads_r)):
@@ -519,7 +566,7 @@ def test_sites_supported(kernel_module):
 @pytest.mark.parametrize("project,blocks,site_block,norm", [
     (None, None, 16, None), (_project, None, 16, None),
     (_project, None, 4, None), (None, (0, 0, 0, 1, 1, 2, 2, 2, 2), 16, None),
-    (None, None, 16, _norm)])
+    (None, None, 16, _NORM)])
 def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
                                 site_block, norm):
   """``routed_stack``'s Triton path with groups of sites and of sources under
@@ -530,7 +577,8 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
   ``project``: the backward's groups of recomputed sources; with
   ``blocks``: block sums summing their shares over each block's span of
   cotangents; ``site_block`` 4: a group's share of the spans above it in
-  one launch; with ``norm``: the groups' outputs recomputed, causal)."""
+  one launch; with ``norm``: the groups' outputs recomputed, causal, and
+  every norm's gradient by ``norm_grad``)."""
   from mhar_jax.parallel import make_mesh
   ts = kernel_module
   tr = ts.tr
@@ -576,11 +624,18 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
   def rows_buffer_local(rows, like, dtype, tag):  # unwritten rows: NaN
     return jnp.full((rows, *like.shape), jnp.nan, dtype)
 
+  def norm_grad_local(x, scale, dy, eps, heads, buf, row):
+    calls.append("norm")
+    _, vjp = jax.vjp(lambda x, s: reference.rms_norm(x, s, eps), x, scale)
+    dx, dscale = vjp(dy)
+    return buf.at[row].set(dx), stack.dot_heads(dx, x, heads), dscale
+
   monkeypatch.setattr(tr, "_fwd_local", jnp_fwd_local(h, 1e-6))
   monkeypatch.setattr(ts, "rows_buffer_local", rows_buffer_local)
   monkeypatch.setattr(ts, "sites_local", sites_local)
   monkeypatch.setattr(ts, "sources_partial_local", sources_partial_local)
   monkeypatch.setattr(ts, "source_grad_local", source_grad_local)
+  monkeypatch.setattr(ts, "norm_grad_local", norm_grad_local)
   monkeypatch.setitem(ts.SITES_TUNING, "min_sites", 2)
   monkeypatch.setitem(ts.SOURCES_TUNING, "site_block", site_block)
   monkeypatch.setitem(ts.SOURCES_TUNING, "max_buffers", 4)
@@ -607,8 +662,10 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
   rows = [c[1:] for c in calls if c[0] == "rows"]
   into = [c[1] for c in calls if c[0] == "into"]
   pieces = [c[1] for c in calls if c[0] == "pieces"]
-  calls = [c for c in calls
-           if c != "source" and c[0] not in ("rows", "into", "pieces")]
+  # with norm, every site's norm gradient by its kernel, under the mesh
+  assert calls.count("norm") == (n if norm else 0), calls
+  calls = [c for c in calls if c not in ("source", "norm")
+           and c[0] not in ("rows", "into", "pieces")]
   merged = bool(project) and site_block == 4
   if blocks is None:
     # forward groups (0, 3), (3, 7), (7, 10); backward groups [2, 6), [0, 2)

@@ -61,11 +61,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mhar_jax.kernels.reference import _heads, inv_rms
+from mhar_jax.kernels.reference import _heads, inv_rms, rms_norm
 
 Apply = Callable[[int, Any, jax.Array, Any], jax.Array]
 Project = Callable[[int, Any, jax.Array], jax.Array]
-Norm = Callable[[int, Any, jax.Array], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class SublayerRMSNorm:
+  """Sublayer ``j``'s input norm, an RMSNorm over the last axis::
+
+      y = x * rsqrt(mean(x^2) + eps) * scale(j, params[j])
+
+  in float32, the input's dtype out (:func:`reference.rms_norm`, as
+  ``layers.RMSNorm``). ``scale(j, p) -> [D]`` reads the gain from the
+  sublayer's parameters; hashable like ``apply`` (a module-level function
+  or a ``functools.partial`` of one). Knowing the norm, the Triton
+  backward takes its gradient in one kernel (``triton_stack.norm_grad``),
+  writing ``dx`` straight into the cotangent buffer; the jnp path takes it
+  by autodiff of this call.
+  """
+  scale: Callable[[int, Any], jax.Array]
+  eps: float = 1e-6
+
+  def __call__(self, j: int, p: Any, x: jax.Array) -> jax.Array:
+    return rms_norm(x, self.scale(j, p), self.eps)
 
 
 # routed_stack's site_group where groups route on tensor cores. 1b training on
@@ -82,7 +102,7 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
                  blocks: Sequence[int] | None = None,
                  site_group: int | None = None,
                  project: Project | None = None,
-                 norm: Norm | None = None,
+                 norm: SublayerRMSNorm | None = None,
                  recompute_below: int | None = None) -> jax.Array:
   """The output of the last routing site of a fully routed stack.
 
@@ -132,11 +152,13 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
       copy of the sources less in memory for one more projection a
       sublayer. An identity ``project`` (``u`` is the output) keeps that
       sublayer's output.
-    norm: ``norm(j, params[j], x) -> y``, hashable like ``apply``: sublayer
-      ``j``'s first step (its input norm), whose input is the site's output
-      ``x_j``. Given, ``apply`` takes ``y`` (the sublayer is
-      ``apply(j, p, norm(j, p, x), consts)``) and the stack keeps no site's
-      output: the backward recomputes ``x_j`` from the kept sources when it
+    norm: a :class:`SublayerRMSNorm`, sublayer ``j``'s first step (its
+      input norm), whose input is the site's output ``x_j``. Given,
+      ``apply`` takes the norm's output ``y`` (the sublayer is
+      ``apply(j, p, norm(j, p, x), consts)``), the backward takes the
+      norm's gradient itself (on Triton one kernel a site, ``dx`` written
+      into the cotangent buffer in place), and the stack keeps no site's
+      output below ``recompute_below``: the backward recomputes ``x_j`` from the kept sources when it
       reaches sublayer ``j`` (full method: one pass a group of sites over
       the sources they read, site ``k`` reading ``s_0 .. s_k``
       (``triton_stack.sites(causal=True)`` on tensor cores); blocks: each
@@ -177,6 +199,9 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
     raise ValueError("routed_stack: norm (recompute the sites' outputs) needs"
                      " the sources kept; it cannot be combined with project"
                      " (recompute the sources). Pass one of them.")
+  if norm is not None and not isinstance(norm, SublayerRMSNorm):
+    raise ValueError(f"routed_stack: norm={norm!r} must be a SublayerRMSNorm"
+                     " (the sublayers' input RMSNorm: its gain and epsilon).")
   if recompute_below is not None and (norm is None or not
                                       0 <= int(recompute_below) <= n):
     raise ValueError(f"routed_stack: recompute_below={recompute_below} needs"
@@ -658,12 +683,18 @@ def _stack_bwd(fns, plan, res, g):
     dxs, xds = [None] * (n + 1), [None] * (n + 1)
     dxs[n], xds[n] = g, dot_heads(g, xs[n], h)
 
-  def put(k, dx):
-    """Site ``k``'s cotangent into its span's buffer (made if new)."""
+  def row_of(k, like):
+    """``(span, row)`` of site ``k``'s cotangent in its span's buffer,
+    made if new, after ``like`` (tag: the span)."""
     a, b = span_of[k]
-    if a not in cots:      # made after dx (tag: the span)
-      cots[a] = _rows_buffer(plan, b - a + span_off(a, b), dx, dtype, a)
-    cots[a] = cots[a].at[k - a + span_off(a, b)].set(dx.astype(dtype))
+    if a not in cots:
+      cots[a] = _rows_buffer(plan, b - a + span_off(a, b), like, dtype, a)
+    return a, k - a + span_off(a, b)
+
+  def put(k, dx):
+    """Site ``k``'s cotangent into its span's buffer."""
+    a, row = row_of(k, dx)
+    cots[a] = cots[a].at[row].set(dx.astype(dtype))
 
   def cotangents(lo, hi):
     """``(buffer, first site, sites, the first's row)`` of each span holding
@@ -857,20 +888,35 @@ def _stack_bwd(fns, plan, res, g):
       dparams[j], dx = vjps[j](du)
       dparams[j] = jax.tree.map(jnp.add, dparams[j], dp_project)
       after = dx
-    elif norm is not None:     # the norm's gradient at x_j (recomputed)
+    elif norm is not None:     # the norm's gradient at x_j (kept or recomputed)
       x_j = xs[j] if xs[j] is not None else routed_input(j, dy)
       dparams[j], dyn = vjps[j](dy)
-      dp_norm, dx = jax.vjp(functools.partial(norm, j), params[j], x_j)[1](
-          dyn)
+      from mhar_jax.kernels import triton_stack
+      if (plan.impl == "triton" and plan.use_buffers
+          and triton_stack.NORM_TUNING["kernel"]):
+        # one kernel: dx into its buffer row in place, <dx, x_j>, the gain's
+        # gradient (XLA's fusions read x_j and dyn or dx three times)
+        scale, scale_vjp = jax.vjp(functools.partial(norm.scale, j),
+                                   params[j])
+        a, row = row_of(j, dyn)
+        cots[a], xd_j, dscale = triton_stack.norm_grad(
+            x_j, scale, dyn, norm.eps, h, cots[a], row, plan.mesh,
+            plan.batch_axes)
+        xd = xd.at[j + off].set(xd_j)
+        dp_norm = scale_vjp(dscale.astype(scale.dtype))[0]
+        dx = None              # written
+      else:
+        dp_norm, dx = jax.vjp(functools.partial(norm, j), params[j], x_j)[1](
+            dyn)
       dparams[j] = jax.tree.map(jnp.add, dparams[j], dp_norm)
     else:
       dparams[j], dx = vjps[j](dy)
     if norm is None:
       x_j = xs[j]
-    if plan.use_buffers:
+    if dx is not None and plan.use_buffers:
       put(j, dx)
       xd = xd.at[j + off].set(dot_heads(dx, x_j, h))
-    else:
+    elif dx is not None:
       dxs[j], xds[j] = dx, dot_heads(dx, x_j, h)
     if partial_r[j] is not None:
       src = partials[j] if us is None else sums.pop(("site", j))

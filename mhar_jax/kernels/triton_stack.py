@@ -418,6 +418,135 @@ def rows_buffer(rows: int, like, tag: int, mesh=None, batch_axes=(),
                        check_vma=False)(like)
 
 
+# A sublayer's input RMSNorm's backward as the stack takes it (``norm`` of
+# ``stack.routed_stack``), one launch a site: ``x`` and ``dy`` read once, ``dx``
+# written once into its row of a cotangent buffer (aliased: no copy), with the
+# routing's ``<dx, x>`` per head and the gain's gradient. XLA takes the same
+# in three or four fusions, each reading ``x`` and ``dy`` or ``dx`` again, at
+# 27-31% of copy bandwidth alone (one H100, 8 sites a call, D 512-1280:
+# RESULTS.md session 31). Persistent: ``programs_per_sm`` programs an SM loop
+# over token tiles of ``elems_per_thread`` fp32 elements a thread, each
+# keeping its share of the gain's gradient, written once (summed in XLA).
+# ``kernel``: False takes the norms' gradients by autodiff on the Triton path
+# too (for timing the two in one run).
+NORM_TUNING: dict = {"elems_per_thread": 16, "warps": 4, "stages": 3,
+                     "programs_per_sm": 4, "kernel": True}
+
+
+@triton.jit
+def norm_grad_kernel(x_ptr, dy_ptr, g_ptr, buf_in, buf_init, xd_init,
+                     dg_init, ROW, N, buf_ptr, xd_ptr, dg_ptr,
+                     D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
+                     HP: tl.constexpr, CA: tl.constexpr, CB: tl.constexpr,
+                     BN: tl.constexpr, EPS: tl.constexpr,
+                     STAGES: tl.constexpr):
+  """The gradient of ``y = x * rsqrt(mean(x^2) + EPS) * g`` for ``dy``.
+
+  ``x_ptr``, ``dy_ptr [N, D]``, ``g_ptr [D]`` fp32. Per token, with ``r =
+  rsqrt(mean(x^2) + EPS)`` and ``m = sum_c x_c g_c dy_c``::
+
+      dx = r g dy - x r^3 m / D        (rounded to the buffer's dtype)
+      xd_h = <dx, x>_h                 dg += dy x r
+
+  ``dx`` goes to row ``ROW`` of ``buf_ptr [R, N, D]`` (aliased to
+  ``buf_in``; the other rows are kept), ``xd_ptr [N, H]`` fp32, and program
+  ``p``'s sum of ``dy x r`` over its tokens to row ``p`` of ``dg_ptr [P,
+  D]`` fp32. Program ``p`` of ``P`` takes token tiles ``p, p + P, ...``."""
+  pid = tl.program_id(0)
+  progs = tl.num_programs(0)
+  cola, cmska, colb, cmskb = _cols(H, C, HP, CA, CB)
+  ga, gb = _load(g_ptr, 0, cola, cmska, colb, cmskb, CB)
+  n64 = N + tl.zeros((), tl.int64)          # N may be specialised to 1
+  dst = buf_ptr + ROW * n64 * D
+  dga = tl.zeros((HP, CA), tl.float32)
+  dgb = tl.zeros((HP, CB if CB > 0 else CA), tl.float32)
+  for tile in tl.range(pid, tl.cdiv(N, BN), progs, num_stages=STAGES):
+    base, offa, mska, offb, mskb, hbase, hoff, hmask = _rows(
+        tile, N, cola, cmska, colb, cmskb, D, H, HP, BN)
+    xa, xb = _load(x_ptr, base, offa, mska, offb, mskb, CB)
+    dya, dyb = _load(dy_ptr, base, offa, mska, offb, mskb, CB)
+    xa = xa.to(tl.float32)
+    xb = xb.to(tl.float32)
+    dya = dya.to(tl.float32)
+    dyb = dyb.to(tl.float32)
+    r = tl.rsqrt(tl.sum(_hsum(xa * xa, xb * xb, CB), axis=1) / D + EPS)
+    gya = dya * ga[None, :, :]
+    gyb = dyb * gb[None, :, :]
+    c = (r * r * r * tl.sum(_hsum(xa * gya, xb * gyb, CB), axis=1) / D)
+    rt = r[:, None, None]
+    ct = c[:, None, None]
+    dxa = (rt * gya - ct * xa).to(buf_ptr.dtype.element_ty).to(tl.float32)
+    dxb = (rt * gyb - ct * xb).to(buf_ptr.dtype.element_ty).to(tl.float32)
+    _store(dst, base, offa, mska, offb, mskb, dxa, dxb, CB)
+    tl.store(xd_ptr + hbase + hoff, _hsum(dxa * xa, dxb * xb, CB),
+             mask=hmask)
+    dga += tl.sum(dya * xa * rt, axis=0)
+    if CB > 0:
+      dgb += tl.sum(dyb * xb * rt, axis=0)
+  out = dg_ptr + pid.to(tl.int64) * D
+  tl.store(out + cola, dga, mask=cmska)
+  if CB > 0:
+    tl.store(out + colb, dgb, mask=cmskb)
+
+
+def norm_grad_programs(n: int, d: int, h: int) -> tuple[int, int]:
+  """``(BN, P)``: tokens a tile and programs of :func:`norm_grad_kernel`
+  for ``n`` tokens at width ``d`` with ``h`` heads."""
+  tu = NORM_TUNING
+  bn = _tokens_per_program(tile_width(d, h), int(tu["elems_per_thread"]),
+                           int(tu["warps"]))
+  return bn, max(1, min(triton.cdiv(n, bn),
+                        tr._num_sms() * int(tu["programs_per_sm"])))
+
+
+def norm_grad_local(x, scale, dy, eps: float, h: int, buf, row: int):
+  """A sublayer input RMSNorm's gradient into a row of a buffer, local arrays.
+
+  ``x``, ``dy [N, D]`` (the norm's input and its output's cotangent),
+  ``scale [D]`` the gain, ``buf [R, N, D]``. Returns ``(buf`` with row
+  ``row`` = ``dx`` in ``buf``'s dtype (the others kept; updated in place),
+  ``<dx, x> [N, H]`` float32 of that rounded ``dx``, ``dscale [D]``
+  float32)``: the VJP of ``reference.rms_norm(x, scale, eps)`` and
+  ``stack.dot_heads``, up to float32 rounding."""
+  n, d = x.shape
+  bn, progs = norm_grad_programs(n, d, h)
+  buf, xd, dg = tr._launch(
+      norm_grad_kernel, [x, dy, scale.astype(jnp.float32), buf], [int(row), n],
+      [jax.ShapeDtypeStruct(buf.shape, buf.dtype),
+       jax.ShapeDtypeStruct((n, h), jnp.float32),
+       jax.ShapeDtypeStruct((progs, d), jnp.float32)],
+      grid=(progs,), num_warps=int(NORM_TUNING["warps"]), carry={0: 3},
+      poison=tr.POISON, dummy=x, **tile_meta(d, h), BN=bn, EPS=float(eps),
+      STAGES=int(NORM_TUNING["stages"]))
+  return buf, xd, dg.sum(0)
+
+
+def norm_grad(x, scale, dy, eps: float, h: int, buf, row: int, mesh=None,
+              batch_axes=()):
+  """:func:`norm_grad_local` on ``x``, ``dy [tokens..., D]`` and ``buf [R,
+  tokens..., D]``, under ``shard_map`` over the batch axes of ``mesh`` when
+  given (``dscale`` psummed). Returns ``(buf, xd [tokens..., H], dscale
+  [D])``."""
+  from jax.sharding import PartitionSpec as P
+
+  def local(x, scale, dy, buf):
+    loc = x.shape[:-1]
+    flat = lambda a: a.reshape(-1, a.shape[-1])   # noqa: E731
+    out, xd, dg = norm_grad_local(
+        flat(x), scale, flat(dy), eps, h,
+        buf.reshape(buf.shape[0], -1, buf.shape[-1]), row)
+    if mesh is not None and batch_axes:
+      dg = jax.lax.psum(dg, batch_axes)
+    return out.reshape(buf.shape), xd.reshape(*loc, h), dg
+
+  if mesh is None or not batch_axes:
+    return local(x, scale, dy, buf)
+  tok, _, site, _ = _specs(batch_axes, x.ndim - 1)
+  return jax.shard_map(local, mesh=mesh, in_specs=(tok, P(), tok, site),
+                       out_specs=(site, tok, P()), check_vma=False)(
+                           x, scale, dy, buf)
+
+
 def _specs(batch_axes, lead: int):
   """PartitionSpecs of ``[tokens..., last]``, ``[tokens...]``, ``[R,
   tokens..., last]`` and ``[R, tokens...]`` arrays with ``lead`` token dims,

@@ -287,9 +287,10 @@ def _apply_sublayer(j, state, x, positions, *, graphdefs, split=None,
   return u if split is not None and split[j] else sublayer.project(u)
 
 
-def _norm_sublayer(j, state, x, *, graphdefs):
-  """Sublayer ``j``'s input norm as a pure function of its state."""
-  return nnx.merge(graphdefs[j], state).norm(x)
+def _norm_scale(j, state, *, graphdefs):
+  """Sublayer ``j``'s input-norm gain ``[D]`` as a pure function of its
+  state."""
+  return nnx.merge(graphdefs[j], state).norm.scale[...]
 
 
 def _project_sublayer(j, state, u, *, graphdefs, split):
@@ -407,7 +408,7 @@ class Transformer(nnx.Module):
   def _stacked(self, h, subs, positions):
     """AttnRes / MHAR (full or block) as one ``routed_stack`` (source-major
     backward)."""
-    from mhar_jax.kernels.stack import routed_stack
+    from mhar_jax.kernels.stack import SublayerRMSNorm, routed_stack
     graphdefs, states = zip(*(nnx.split(f) for f in subs))
     recompute = self.cfg.recompute_sources
     split = project = None
@@ -416,11 +417,16 @@ class Transformer(nnx.Module):
                     for f in subs)
       project = functools.partial(_project_sublayer,
                                   graphdefs=tuple(graphdefs), split=split)
-    norm = None
-    # the lowest sites, rounded half up: 0.5 of 9 sublayers is 5
-    below = int(self.cfg.recompute_site_outputs * len(subs) + 0.5)
-    if below:
-      norm = functools.partial(_norm_sublayer, graphdefs=tuple(graphdefs))
+    # The stack takes the sublayers' input norms (their gradients in one
+    # kernel a site on Triton) unless it recomputes the sources; it
+    # recomputes the outputs of the lowest sites, rounded half up: 0.5 of 9
+    # sublayers is 5.
+    norm = below = None
+    if project is None:
+      norm = SublayerRMSNorm(
+          functools.partial(_norm_scale, graphdefs=tuple(graphdefs)),
+          self.cfg.norm_eps)
+      below = int(self.cfg.recompute_site_outputs * len(subs) + 0.5)
     apply = functools.partial(_apply_sublayer, graphdefs=tuple(graphdefs),
                               split=split, normed=norm is not None)
     if self.cfg.remat:
@@ -432,8 +438,7 @@ class Transformer(nnx.Module):
                         eps=self.cfg.norm_eps, impl=self.cfg.routing_impl,
                         blocks=self.cfg.blocks,
                         site_group=self.cfg.routing_site_group,
-                        project=project, norm=norm,
-                        recompute_below=below if norm else None)
+                        project=project, norm=norm, recompute_below=below)
 
   def _delta(self, h, subs, call, positions, routing, record):
     """The delta form: the ordinary stream plus ``gate * route([null, deltas])``."""
