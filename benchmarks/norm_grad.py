@@ -24,6 +24,7 @@ Usage (on the device machine, after ``source benchmarks/gpu_env.sh``)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -69,6 +70,20 @@ def sites_backward(xs, scales, dys, buf, xd, heads, kernel=False):
   return buf, xd, jnp.stack(dscales)
 
 
+@contextlib.contextmanager
+def norm_tuning(tuning):
+  """``triton_stack.NORM_TUNING`` (read when a call is traced) updated with
+  ``tuning`` inside the block."""
+  from mhar_jax.kernels import triton_stack   # GPU only
+  saved = dict(triton_stack.NORM_TUNING)
+  triton_stack.NORM_TUNING.update(tuning)
+  try:
+    yield
+  finally:
+    triton_stack.NORM_TUNING.clear()
+    triton_stack.NORM_TUNING.update(saved)
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--tokens", type=int, default=32768)
@@ -78,11 +93,22 @@ def main():
   p.add_argument("--sites", type=int, default=8,
                  help="sites a call (one jitted function, in turn)")
   p.add_argument("--reps", type=int, default=20)
+  p.add_argument("--tunings", default="",
+                 help="';'-separated kernel tunings to time besides the"
+                      " default, each 'key=value,...' over"
+                      " triton_stack.NORM_TUNING, e.g."
+                      " 'programs_per_sm=8;stages=2,elems_per_thread=32'")
   args = p.parse_args()
   copy_gbs = copy_bandwidth() / 1e9
   print(f"device {jax.devices()[0].device_kind}; copy {copy_gbs:.0f} GB/s;"
         f" {args.tokens} tokens, {args.heads} heads, {args.sites} sites a call")
-  ways = ["xla"] + (["kernel"] if jax.default_backend() == "gpu" else [])
+  ways = {"xla": None}
+  if jax.default_backend() == "gpu":
+    ways["kernel"] = {}
+    for i, spec in enumerate(filter(None, args.tunings.split(";"))):
+      ways[f"kernel{i + 1}"] = {k: int(v) for k, v in (
+          kv.split("=") for kv in spec.split(","))}
+      print(f"kernel{i + 1}: {ways[f'kernel{i + 1}']}")
   print(f"\n{'D':>6} {'way':>7} {'ms/site':>8} {'floor ms':>9} {'GB/s':>7}"
         f" {'% copy':>7} {'/ xla':>6} {'max |diff|':>10}")
   k, n = args.sites, args.tokens
@@ -92,9 +118,12 @@ def main():
     dys = jnp.asarray(rng.normal(size=(k, n, d)), jnp.bfloat16)
     scales = jnp.asarray(1 + 0.3 * rng.normal(size=(k, d)), jnp.float32)
     times, outs = {}, {}
-    for way in ways:
+    for way, tuning in ways.items():
+      tuned = contextlib.ExitStack()
+      if tuning is not None:
+        tuned.enter_context(norm_tuning(tuning))
       f = jax.jit(functools.partial(sites_backward, heads=args.heads,
-                                    kernel=way == "kernel"),
+                                    kernel=tuning is not None),
                   donate_argnums=(3, 4))
       bufs = (jnp.zeros((k + 1, n, d), jnp.bfloat16),
               jnp.zeros((k, n, args.heads), jnp.float32))
@@ -107,6 +136,7 @@ def main():
       times[way] = median_ms(call, (xs, scales, dys), reps=args.reps) / k
       dscales = call(xs, scales, dys)
       outs[way] = (bufs[0][1:], bufs[1], dscales)
+      tuned.close()
       gb = 3 * n * d * 2 / 1e9         # x and dy read, dx written (bf16)
       gbs = gb / (times[way] / 1e3)
       # the kernel's outputs against XLA's (dx, <dx, x>, dgain), largest
