@@ -891,11 +891,10 @@ def _stack_bwd(fns, plan, res, g):
     elif norm is not None:     # the norm's gradient at x_j (kept or recomputed)
       x_j = xs[j] if xs[j] is not None else routed_input(j, dy)
       dparams[j], dyn = vjps[j](dy)
-      from mhar_jax.kernels import triton_stack
-      if (plan.impl == "triton" and plan.use_buffers
-          and triton_stack.NORM_TUNING["kernel"]):
+      if plan.impl == "triton" and plan.use_buffers and _norm_kernel():
         # one kernel: dx into its buffer row in place, <dx, x_j>, the gain's
         # gradient (XLA's fusions read x_j and dyn or dx three times)
+        from mhar_jax.kernels import triton_stack
         scale, scale_vjp = jax.vjp(functools.partial(norm.scale, j),
                                    params[j])
         a, row = row_of(j, dyn)
@@ -930,6 +929,13 @@ def _stack_bwd(fns, plan, res, g):
   dgains = (dt * queries.astype(jnp.float32)).astype(gains.dtype)
   dconsts = jax.tree.map(_zero_cotangent, consts)
   return dh, tuple(dparams), dqueries, dgains, dconsts
+
+
+def _norm_kernel() -> bool:
+  """Whether the Triton path takes the norms' gradients by
+  ``triton_stack.norm_grad`` (``NORM_TUNING["kernel"]``)."""
+  from mhar_jax.kernels import triton_stack
+  return bool(triton_stack.NORM_TUNING["kernel"])
 
 
 def _zero_cotangent(x):
