@@ -56,7 +56,8 @@ SLOTS = lambda p: {f"{p}{i}" for i in range(K)}  # noqa: E731
 BF16 = {"fwd": SLOTS("s") | {"out_ptr", "i_out"},
         "cpass": SLOTS("s") | {"g_ptr"},
         "bwd": SLOTS("s") | SLOTS("ds") | SLOTS("i") | {"g_ptr"},
-        "source_grad": {"s_ptr", "dx_ptr", "ds_ptr"}}
+        "source_grad": {"s_ptr", "dx_ptr", "ds_ptr"},
+        "norm_grad": {"x_ptr", "dy_ptr", "buf_in", "buf_ptr"}}
 SCALARS = {"N", "I0", "NTILES", "I", "M", "S", "GV", "J0", "IX", "IS", "IA",
            "JX", "K", "SK", "SM", "SH", "KC", "ROW", "MP", "JX1", "JX2", "JX3",
            "K1", "K2", "K3"}
@@ -154,7 +155,7 @@ def main(argv=None):
                   help="of fwd, fwd_r, cpass, cpass_r, bwd, bwd_r, "
                   "source_grad, source_grad_init, sites, sources, "
                   "sources_4buffers, "
-                  "query_gain_grad")
+                  "query_gain_grad, norm_grad")
   ap.add_argument("--source_grad_tuning", default="",
                   help="JSON dict merged into triton_stack.TUNING")
   ap.add_argument("--sources_tuning", default="",
@@ -163,6 +164,8 @@ def main(argv=None):
                   help="JSON dict merged into triton_stack.SITES_TUNING")
   ap.add_argument("--qgrad_tuning", default="",
                   help="JSON dict merged into triton_stack.QGRAD_TUNING")
+  ap.add_argument("--norm_tuning", default="",
+                  help="JSON dict merged into triton_stack.NORM_TUNING")
   ap.add_argument("--qgrad_sites", type=int, default=16,
                   help="query_gain_grad: the sites it is compiled for (its "
                   "site block and, by default, warps and tokens a step)")
@@ -186,6 +189,7 @@ def main(argv=None):
   ts.SOURCES_TUNING.update(json.loads(a.sources_tuning or "{}"))
   ts.QGRAD_TUNING.update(json.loads(a.qgrad_tuning or "{}"))
   ts.SITES_TUNING.update(json.loads(a.sites_tuning or "{}"))
+  ts.NORM_TUNING.update(json.loads(a.norm_tuning or "{}"))
   meta = dict(tr.tile_meta(a.d, a.h), EPS=1e-6)
   bn = tr._tokens_per_program(tr.tile_width(a.d, a.h), 16, a.warps)
   common = dict(meta, NSRC=a.nsrc, PF=a.pf, BN=bn)
@@ -219,6 +223,9 @@ def main(argv=None):
       D=a.d, C=c, STAGES=ts.QGRAD_TUNING["stages"], LOWP=True,
       UNIT=a.qgrad_unit, DA=4, EVEN_K=True, WHOLE_M=a.qgrad_unit == 2,
       **qgrad))
+  runs["norm_grad"] = (ts.norm_grad_kernel, BF16["norm_grad"], dict(
+      meta, BN=ts.norm_grad_programs(1 << 20, a.d, a.h)[0],
+      STAGES=ts.NORM_TUNING["stages"]))
   tu = ts.SITES_TUNING
   runs["sites"] = (ts.sites_kernel, {"x_ptr", "out_ptr"}, dict(
       tr.tile_meta(a.d, a.h), G=16, SB=tu["source_block"],
@@ -242,7 +249,8 @@ def main(argv=None):
              "sites": ts.SITES_TUNING["warps"],
              "sources": ts.SOURCES_TUNING["warps"],
              "sources_4buffers": ts.SOURCES_TUNING["warps"],
-             "query_gain_grad": qgrad_warps}.get(name, a.warps)
+             "query_gain_grad": qgrad_warps,
+             "norm_grad": ts.NORM_TUNING["warps"]}.get(name, a.warps)
     cons = {k: v for k, v in cons.items() if k in fn.arg_names}
     if a.ones:
       cons.update({k: 1 for k in fn.arg_names if k in SCALARS})

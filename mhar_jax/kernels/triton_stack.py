@@ -427,10 +427,12 @@ def rows_buffer(rows: int, like, tag: int, mesh=None, batch_axes=(),
 # RESULTS.md session 31). Persistent: ``programs_per_sm`` programs an SM loop
 # over token tiles of ``elems_per_thread`` fp32 elements a thread, each
 # keeping its share of the gain's gradient, written once (summed in XLA).
+# Compiled for sm_90 (tools/kernel_resources.py): 97-106 registers at D 512
+# to 2048 with 8 warps, so 2 programs (16 warps) an SM.
 # ``kernel``: False takes the norms' gradients by autodiff on the Triton path
 # too (for timing the two in one run).
-NORM_TUNING: dict = {"elems_per_thread": 16, "warps": 4, "stages": 3,
-                     "programs_per_sm": 4, "kernel": True}
+NORM_TUNING: dict = {"elems_per_thread": 16, "warps": 8, "stages": 3,
+                     "programs_per_sm": 2, "kernel": True}
 
 
 @triton.jit
@@ -458,8 +460,7 @@ def norm_grad_kernel(x_ptr, dy_ptr, g_ptr, buf_in, buf_init, xd_init,
   ga, gb = _load(g_ptr, 0, cola, cmska, colb, cmskb, CB)
   n64 = N + tl.zeros((), tl.int64)          # N may be specialised to 1
   dst = buf_ptr + ROW * n64 * D
-  dga = tl.zeros((HP, CA), tl.float32)
-  dgb = tl.zeros((HP, CB if CB > 0 else CA), tl.float32)
+  dga, dgb = _zeros(BN, HP, CA, CB)      # dy x r, summed over tiles
   for tile in tl.range(pid, tl.cdiv(N, BN), progs, num_stages=STAGES):
     base, offa, mska, offb, mskb, hbase, hoff, hmask = _rows(
         tile, N, cola, cmska, colb, cmskb, D, H, HP, BN)
@@ -470,31 +471,35 @@ def norm_grad_kernel(x_ptr, dy_ptr, g_ptr, buf_in, buf_init, xd_init,
     dya = dya.to(tl.float32)
     dyb = dyb.to(tl.float32)
     r = tl.rsqrt(tl.sum(_hsum(xa * xa, xb * xb, CB), axis=1) / D + EPS)
+    rt = r[:, None, None]
+    dga += dya * xa * rt
+    if CB > 0:
+      dgb += dyb * xb * rt
     gya = dya * ga[None, :, :]
     gyb = dyb * gb[None, :, :]
     c = (r * r * r * tl.sum(_hsum(xa * gya, xb * gyb, CB), axis=1) / D)
-    rt = r[:, None, None]
     ct = c[:, None, None]
     dxa = (rt * gya - ct * xa).to(buf_ptr.dtype.element_ty).to(tl.float32)
     dxb = (rt * gyb - ct * xb).to(buf_ptr.dtype.element_ty).to(tl.float32)
     _store(dst, base, offa, mska, offb, mskb, dxa, dxb, CB)
     tl.store(xd_ptr + hbase + hoff, _hsum(dxa * xa, dxb * xb, CB),
              mask=hmask)
-    dga += tl.sum(dya * xa * rt, axis=0)
-    if CB > 0:
-      dgb += tl.sum(dyb * xb * rt, axis=0)
   out = dg_ptr + pid.to(tl.int64) * D
-  tl.store(out + cola, dga, mask=cmska)
+  tl.store(out + cola, tl.sum(dga, axis=0), mask=cmska)
   if CB > 0:
-    tl.store(out + colb, dgb, mask=cmskb)
+    tl.store(out + colb, tl.sum(dgb, axis=0), mask=cmskb)
 
 
 def norm_grad_programs(n: int, d: int, h: int) -> tuple[int, int]:
   """``(BN, P)``: tokens a tile and programs of :func:`norm_grad_kernel`
   for ``n`` tokens at width ``d`` with ``h`` heads."""
   tu = NORM_TUNING
-  bn = _tokens_per_program(tile_width(d, h), int(tu["elems_per_thread"]),
-                           int(tu["warps"]))
+  # At least 2: with one token a tile Triton 3.6 fails to compile the
+  # pipelined loop at D 1280 (RemoveLayoutConversions: "operand #0 does not
+  # dominate this use"; tools/kernel_resources.py --kernels norm_grad).
+  bn = max(2, _tokens_per_program(tile_width(d, h),
+                                  int(tu["elems_per_thread"]),
+                                  int(tu["warps"])))
   return bn, max(1, min(triton.cdiv(n, bn),
                         tr._num_sms() * int(tu["programs_per_sm"])))
 
