@@ -429,15 +429,19 @@ _NORM = stack.SublayerRMSNorm(_gain, 1e-6)   # _norm, as the stack takes it
     (5, (0, 0, 1, 1, 1), 0, 5),
     (5, None, 3, 3),     # the lowest sites: [0, 2) and [2, 3) recomputed
     (5, (0, 0, 1, 1, 1), 0, 2),
-    (5, None, 3, 0),     # none recomputed: every norm's gradient by the kernel
+    (5, None, 3, 0),     # none recomputed: the norms' gradients alone
     (5, (0, 0, 1, 1, 1), 0, 0)])
+@pytest.mark.parametrize("norm_kernel", [False, True])
 def test_routed_stack_recomputes_site_outputs(kernel_module, monkeypatch, n,
-                                              blocks, site_group, below):
+                                              blocks, site_group, below,
+                                              norm_kernel):
   """``routed_stack``'s Triton path with ``norm``: the backward recomputes
   the outputs of the sites below ``below`` (the full method's groups with
   the causal ``sites_kernel`` over the source buffer's rows still holding
   sources; else site by site), every launch run by the interpreter, against
-  the jnp path with ``norm`` and without it: values and every gradient."""
+  the jnp path with ``norm`` and without it: values and every gradient.
+  ``norm_kernel``: every site's norm gradient by ``norm_grad_kernel``
+  (else by autodiff)."""
   ts = kernel_module
   tr = ts.tr
   calls = []
@@ -449,6 +453,7 @@ def test_routed_stack_recomputes_site_outputs(kernel_module, monkeypatch, n,
   monkeypatch.setattr(tr, "_launch", counted_launch)
   monkeypatch.setitem(ts.SITES_TUNING, "min_sites", 2)
   monkeypatch.setitem(ts.SITES_TUNING, "tokens_per_program", 4)
+  monkeypatch.setitem(ts.NORM_TUNING, "kernel", norm_kernel)
   d, h = 64, 2
   x0, params, q, g, cot = _stack_problem(n, n, d, h, norm_gains=True)
   blk = tuple(range(n)) if blocks is None else blocks
@@ -475,7 +480,7 @@ def test_routed_stack_recomputes_site_outputs(kernel_module, monkeypatch, n,
   assert calls.count(("sites_kernel", False)) == (
       len(groups) if full_groups else 0), calls
   # site by site: once in the forward and once recomputed (below ``below``)
-  assert calls.count(("norm_grad_kernel", False)) == n, calls
+  assert calls.count(("norm_grad_kernel", False)) == n * norm_kernel, calls
   fwd = calls.count(("_fwd_kernel", False))
   assert fwd == (n + 1 - len(groups) if full_groups else n + 1 + below), calls
   for fns in ((_sublayer, None, _NORM), (normed, None, None)):
@@ -636,6 +641,7 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
   monkeypatch.setattr(ts, "sources_partial_local", sources_partial_local)
   monkeypatch.setattr(ts, "source_grad_local", source_grad_local)
   monkeypatch.setattr(ts, "norm_grad_local", norm_grad_local)
+  monkeypatch.setitem(ts.NORM_TUNING, "kernel", True)
   monkeypatch.setitem(ts.SITES_TUNING, "min_sites", 2)
   monkeypatch.setitem(ts.SOURCES_TUNING, "site_block", site_block)
   monkeypatch.setitem(ts.SOURCES_TUNING, "max_buffers", 4)

@@ -938,6 +938,15 @@ def _norm_kernel() -> bool:
   return bool(triton_stack.NORM_TUNING["kernel"])
 
 
+def takes_norm_kernel(impl: str | None) -> bool:
+  """Whether :func:`routed_stack` with ``impl`` takes the norms' gradients
+  by one kernel a site (Triton, ``triton_stack.NORM_TUNING["kernel"]``):
+  only then does passing ``norm`` pay where no site recomputes its output
+  (``recompute_below=0``); elsewhere the sublayers keep their norms."""
+  from mhar_jax.kernels import resolve_impl
+  return resolve_impl(impl) == "triton" and _norm_kernel()
+
+
 def _zero_cotangent(x):
   if jnp.issubdtype(x.dtype, jnp.inexact):
     return jnp.zeros_like(x)

@@ -408,7 +408,8 @@ class Transformer(nnx.Module):
   def _stacked(self, h, subs, positions):
     """AttnRes / MHAR (full or block) as one ``routed_stack`` (source-major
     backward)."""
-    from mhar_jax.kernels.stack import SublayerRMSNorm, routed_stack
+    from mhar_jax.kernels.stack import (SublayerRMSNorm, routed_stack,
+                                        takes_norm_kernel)
     graphdefs, states = zip(*(nnx.split(f) for f in subs))
     recompute = self.cfg.recompute_sources
     split = project = None
@@ -417,16 +418,17 @@ class Transformer(nnx.Module):
                     for f in subs)
       project = functools.partial(_project_sublayer,
                                   graphdefs=tuple(graphdefs), split=split)
-    # The stack takes the sublayers' input norms (their gradients in one
-    # kernel a site on Triton) unless it recomputes the sources; it
-    # recomputes the outputs of the lowest sites, rounded half up: 0.5 of 9
-    # sublayers is 5.
+    # The stack takes the sublayers' input norms when it recomputes the
+    # outputs of the lowest sites (rounded half up: 0.5 of 9 sublayers is
+    # 5) or takes the norms' gradients by a kernel; not with recomputed
+    # sources.
     norm = below = None
     if project is None:
-      norm = SublayerRMSNorm(
-          functools.partial(_norm_scale, graphdefs=tuple(graphdefs)),
-          self.cfg.norm_eps)
       below = int(self.cfg.recompute_site_outputs * len(subs) + 0.5)
+      if below or takes_norm_kernel(self.cfg.routing_impl):
+        norm = SublayerRMSNorm(
+            functools.partial(_norm_scale, graphdefs=tuple(graphdefs)),
+            self.cfg.norm_eps)
     apply = functools.partial(_apply_sublayer, graphdefs=tuple(graphdefs),
                               split=split, normed=norm is not None)
     if self.cfg.remat:
@@ -438,7 +440,8 @@ class Transformer(nnx.Module):
                         eps=self.cfg.norm_eps, impl=self.cfg.routing_impl,
                         blocks=self.cfg.blocks,
                         site_group=self.cfg.routing_site_group,
-                        project=project, norm=norm, recompute_below=below)
+                        project=project, norm=norm,
+                        recompute_below=below if norm else None)
 
   def _delta(self, h, subs, call, positions, routing, record):
     """The delta form: the ordinary stream plus ``gate * route([null, deltas])``."""
