@@ -156,14 +156,15 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
       input norm), whose input is the site's output ``x_j``. Given,
       ``apply`` takes the norm's output ``y`` (the sublayer is
       ``apply(j, p, norm(j, p, x), consts)``), the backward takes the
-      norm's gradient itself (on Triton one kernel a site, ``dx`` written
-      into the cotangent buffer in place), and the stack keeps no site's
-      output below ``recompute_below``: the backward recomputes ``x_j`` from the kept sources when it
-      reaches sublayer ``j`` (full method: one pass a group of sites over
-      the sources they read, site ``k`` reading ``s_0 .. s_k``
-      (``triton_stack.sites(causal=True)`` on tensor cores); blocks: each
-      site over its block sums and partial sum), then takes the norm's
-      gradient. The norm's input is what the baseline keeps for its norms:
+      norm's gradient itself (on Triton with ``triton_stack.NORM_TUNING
+      ["kernel"]``, one kernel a site writing ``dx`` into the cotangent
+      buffer in place; else by autodiff), and the stack keeps no output of
+      the sites below ``recompute_below``: the backward recomputes ``x_j``
+      from the kept sources when it reaches sublayer ``j`` (full method:
+      one pass a group of sites over the sources they read, site ``k``
+      reading ``s_0 .. s_k`` (``triton_stack.sites(causal=True)`` on
+      tensor cores); blocks: each site over its block sums and partial
+      sum), then takes the norm's gradient. The norm's input is what the baseline keeps for its norms:
       one ``[..., D]`` array a sublayer less in memory for one more routing
       pass. Not with ``project`` (it needs the sources kept).
     recompute_below: with ``norm``, only the sites ``0 .. recompute_below -
