@@ -56,10 +56,11 @@ def sites_backward(xs, scales, dys, buf, xd, heads, kernel=False):
   and ``<dx, x>`` into row ``k`` of ``xd [K, N, H]`` in place, as the
   stack's backward writes them (``kernel``: by ``triton_stack.norm_grad``);
   returns ``(buf, xd, dgains [K, D])``."""
+  if kernel:
+    from mhar_jax.kernels import triton_stack   # GPU only
   dscales = []
   for k in range(xs.shape[0]):
     if kernel:
-      from mhar_jax.kernels import triton_stack
       buf, xd_k, dscale = triton_stack.norm_grad(xs[k], scales[k], dys[k],
                                                  EPS, heads, buf, k + 1)
     else:
@@ -119,9 +120,6 @@ def main():
     scales = jnp.asarray(1 + 0.3 * rng.normal(size=(k, d)), jnp.float32)
     times, outs = {}, {}
     for way, tuning in ways.items():
-      tuned = contextlib.ExitStack()
-      if tuning is not None:
-        tuned.enter_context(norm_tuning(tuning))
       f = jax.jit(functools.partial(sites_backward, heads=args.heads,
                                     kernel=tuning is not None),
                   donate_argnums=(3, 4))
@@ -133,10 +131,11 @@ def main():
         *bufs, dscales = f(xs, scales, dys, *bufs)
         return dscales
 
-      times[way] = median_ms(call, (xs, scales, dys), reps=args.reps) / k
-      dscales = call(xs, scales, dys)
+      with (contextlib.nullcontext() if tuning is None
+            else norm_tuning(tuning)):          # traced inside
+        times[way] = median_ms(call, (xs, scales, dys), reps=args.reps) / k
+        dscales = call(xs, scales, dys)
       outs[way] = (bufs[0][1:], bufs[1], dscales)
-      tuned.close()
       gb = 3 * n * d * 2 / 1e9         # x and dy read, dx written (bf16)
       gbs = gb / (times[way] / 1e3)
       # the kernel's outputs against XLA's (dx, <dx, x>, dgain), largest

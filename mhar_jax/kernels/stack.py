@@ -164,9 +164,10 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
       one pass a group of sites over the sources they read, site ``k``
       reading ``s_0 .. s_k`` (``triton_stack.sites(causal=True)`` on
       tensor cores); blocks: each site over its block sums and partial
-      sum), then takes the norm's gradient. The norm's input is what the baseline keeps for its norms:
-      one ``[..., D]`` array a sublayer less in memory for one more routing
-      pass. Not with ``project`` (it needs the sources kept).
+      sum), then takes the norm's gradient. The norm's input is what the
+      baseline keeps for its norms: one ``[..., D]`` array a sublayer less
+      in memory for one more routing pass. Not with ``project`` (it needs
+      the sources kept).
     recompute_below: with ``norm``, only the sites ``0 .. recompute_below -
       1`` have their outputs recomputed; the sites above keep theirs (their
       norms' gradients taken from the kept input). ``None``: every site.
@@ -904,20 +905,20 @@ def _stack_bwd(fns, plan, res, g):
             plan.batch_axes)
         xd = xd.at[j + off].set(xd_j)
         dp_norm = scale_vjp(dscale.astype(scale.dtype))[0]
-        dx = None              # written
+        dx = None              # written, with <dx, x_j>
       else:
         dp_norm, dx = jax.vjp(functools.partial(norm, j), params[j], x_j)[1](
             dyn)
       dparams[j] = jax.tree.map(jnp.add, dparams[j], dp_norm)
     else:
       dparams[j], dx = vjps[j](dy)
-    if norm is None:
-      x_j = xs[j]
-    if dx is not None and plan.use_buffers:
-      put(j, dx)
-      xd = xd.at[j + off].set(dot_heads(dx, x_j, h))
-    elif dx is not None:
-      dxs[j], xds[j] = dx, dot_heads(dx, x_j, h)
+    if dx is not None:
+      xd_j = dot_heads(dx, xs[j] if norm is None else x_j, h)
+      if plan.use_buffers:
+        put(j, dx)
+        xd = xd.at[j + off].set(xd_j)
+      else:
+        dxs[j], xds[j] = dx, xd_j
     if partial_r[j] is not None:
       src = partials[j] if us is None else sums.pop(("site", j))
       dy = dy + _grad_of(src, partial_r[j], j, 1)
