@@ -15,7 +15,9 @@ the source-major backward at ~63% of copy bandwidth issued ~1.3x the
 instructions per byte of the forward at ~90% (session 11). Use the Triton
 of the GPU machine (3.6.0 in `/work/.library/env`; `pip install triton==3.6.0`
 beside jax) for figures that match it. Pointers are marked 16-byte aligned,
-as jax-triton marks them::
+as jax-triton marks them. jax-triton (0.3.1) specialises a runtime int only
+when it equals 1 (to a constexpr; ``--ones``), never by divisibility, so plain
+i32 scalars and ``--ones`` are the two forms it compiles::
 
     python tools/kernel_resources.py                       # D 1280, H 8
     python tools/kernel_resources.py --d 1024 --pf 2 --warps 8
