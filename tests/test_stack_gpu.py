@@ -282,19 +282,14 @@ def test_norm_grad_kernel_against_autodiff(dtype, d, heads, n_tok):
     pytest.param((3, 160), 1280, 8, 17, None, 16, 0, id="below0-full"),
     pytest.param((2, 37), 64, 4, 5, (0, 0, 1, 1, 1), 0, 0,
                  id="below0-blocks")])
-def test_triton_stack_recomputed_site_outputs(monkeypatch, dtype, lead, d,
-                                              heads, n, blocks, site_group,
-                                              below):
+def test_triton_stack_recomputed_site_outputs(dtype, lead, d, heads, n,
+                                              blocks, site_group, below):
   """``routed_stack(norm=...)`` on Triton (the sites' outputs recomputed in
   the backward: groups by the causal ``sites_kernel`` over the source
   buffer, else site by site; ``below``: the lowest sites only) against the
   jnp reference with the norm inside each sublayer; values and every
   gradient (the norms' gains too), as :func:`assert_matches` compares
   them."""
-  from mhar_jax.kernels import triton_stack
-  # the below0 cases take the norms' gradients by the kernel, the others
-  # by autodiff (the default)
-  monkeypatch.setitem(triton_stack.NORM_TUNING, "kernel", below == 0)
   ks = jax.random.split(jax.random.key(d + n + 1), 6)
   h = (jax.random.normal(ks[0], (*lead, d)) * 2 + 0.5).astype(dtype)
   params = tuple({"w": jax.random.normal(k, (d, d)) / np.sqrt(d),
