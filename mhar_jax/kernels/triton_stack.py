@@ -430,8 +430,8 @@ def rows_buffer(rows: int, like, tag: int, mesh=None, batch_axes=(),
 # Compiled for sm_90 (tools/kernel_resources.py): 97-106 registers at D 512
 # to 2048 with 8 warps, so 2 programs (16 warps) an SM.
 # ``kernel``: whether the Triton path uses it (else autodiff, as the jnp path).
-# On one H200 it takes 0.70-0.88x XLA's time for the same norms (D 512-1280)
-# and 1.3-2.3% off the training step at 100m, 350m and 1b, full and Block
+# On one H200 it takes 0.70-0.92x XLA's time for the same norms (D 512-1280)
+# and 1.4-2.6% off the training step at 100m, 350m and 1b, full and Block
 # (RESULTS.md session 33).
 NORM_TUNING: dict = {"elems_per_thread": 16, "warps": 8, "stages": 3,
                      "programs_per_sm": 2, "kernel": True}
