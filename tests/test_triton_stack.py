@@ -35,20 +35,25 @@ def kernel_module():
     (37, 64, 4, False), (37, 64, 4, True),   # one program: every tile in turn
     (6, 320, 2, True),     # C = 160 = 128 + 32, as at 1b
     (5, 48, 16, False), (9, 24, 1, True), (3, 40, 8, False)])
+@pytest.mark.parametrize("stages", [3, 1])
 def test_norm_grad_matches_autodiff(kernel_module, monkeypatch, n_tok, d, h,
-                                    one_program):
+                                    one_program, stages):
   """``norm_grad_local`` (the kernel through the jax-triton stand-in) against
   the VJP of ``reference.rms_norm`` and ``stack.dot_heads``: ``dx`` in its row
   of the buffer (the other rows kept), ``<dx, x>`` per head, the gain's
-  gradient summed over the programs."""
+  gradient summed over the programs. ``one_program``: one program takes
+  every tile in turn, tiles of the fewest tokens (2 pipelined, 1 with
+  ``stages`` 1)."""
   ts = kernel_module
   monkeypatch.setattr(ts.tr, "_launch", interpreted_launch)
+  monkeypatch.setitem(ts.NORM_TUNING, "stages", stages)
   if one_program:
     monkeypatch.setattr(ts.tr, "_num_sms", lambda: 1)
     monkeypatch.setitem(ts.NORM_TUNING, "programs_per_sm", 1)
     monkeypatch.setitem(ts.NORM_TUNING, "elems_per_thread", 1)
+    monkeypatch.setitem(ts.NORM_TUNING, "warps", 1)
     bn, progs = ts.norm_grad_programs(n_tok, d, h)
-    assert progs == 1 and bn < n_tok, (bn, progs)
+    assert progs == 1 and bn == (1 if stages == 1 else 2), (bn, progs)
   rng = np.random.default_rng(n_tok + d + h)
   x = jnp.asarray(rng.normal(size=(n_tok, d)) * 1.7, jnp.float32)
   dy = jnp.asarray(rng.normal(size=(n_tok, d)), jnp.float32)

@@ -496,12 +496,13 @@ def norm_grad_programs(n: int, d: int, h: int) -> tuple[int, int]:
   """``(BN, P)``: tokens a tile and programs of :func:`norm_grad_kernel`
   for ``n`` tokens at width ``d`` with ``h`` heads."""
   tu = NORM_TUNING
-  # At least 2: with one token a tile Triton 3.6 fails to compile the
-  # pipelined loop at D 1280 (RemoveLayoutConversions: "operand #0 does not
-  # dominate this use"; tools/kernel_resources.py --kernels norm_grad).
-  bn = max(2, _tokens_per_program(tile_width(d, h),
-                                  int(tu["elems_per_thread"]),
-                                  int(tu["warps"])))
+  # At least 2 where the loop is pipelined (stages > 1): with one token a
+  # tile Triton 3.6 fails to compile it at D 1280 (RemoveLayoutConversions:
+  # "operand #0 does not dominate this use"; tools/kernel_resources.py
+  # --kernels norm_grad). Unpipelined, one token a tile compiles.
+  bn = max(1 if int(tu["stages"]) == 1 else 2,
+           _tokens_per_program(tile_width(d, h), int(tu["elems_per_thread"]),
+                               int(tu["warps"])))
   return bn, max(1, min(triton.cdiv(n, bn),
                         tr._num_sms() * int(tu["programs_per_sm"])))
 
