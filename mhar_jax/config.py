@@ -82,16 +82,17 @@ def paper_preset(*, d_model: int, num_layers: int, num_heads: int,
   given size with vocabulary 151,936, bf16 compute, MHAR with 8 heads, and the
   recipe (AdamW 5e-4, 1000 warm-up steps, cosine to 0.1x over 20K steps).
 
-  The lower half of the routing sites recompute their outputs in the backward
-  (``model.recompute_site_outputs=0.5``): peak memory ~1.05x the baseline's
-  instead of ~1.08x for under 1% of the step (benchmarks/RESULTS.md, session
-  29); ``=0`` keeps every output."""
+  The lowest three quarters of the routing sites recompute their outputs in
+  the backward (``model.recompute_site_outputs=0.75``): on an H100 at 100m and
+  350m, peak memory 1.035-1.044x the baseline's instead of ~1.08x (``=0``,
+  every output kept), for 0.8-1.1% of the step more than ``=0.5``, which
+  peaks at 1.05-1.06x (benchmarks/RESULTS.md, sessions 29 and 34)."""
   c = base_config()
   c.model.update(vocab_size=151_936, d_model=d_model, num_layers=num_layers,
                  num_heads=num_heads, num_kv_heads=num_kv_heads,
                  head_dim=head_dim, ffn_dim=ffn_dim, max_seq_len=seq_len,
                  residual="mhar", routing_heads=8, dtype="bfloat16",
-                 recompute_site_outputs=0.5)
+                 recompute_site_outputs=0.75)
   c.train.update(steps=20_000, global_batch=global_batch, seq_len=seq_len,
                  lr=5e-4, warmup_steps=1000, final_lr_ratio=0.1)
   return c

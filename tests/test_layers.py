@@ -228,20 +228,20 @@ def test_preset_parameter_counts(name, billions):
 
 
 @pytest.mark.parametrize("name", ["100m", "350m", "1b"])
-def test_presets_recompute_lower_half_of_sites(name):
-  """The paper presets recompute the lower half of the sites' outputs, and
-  stay valid with the schemes that have no routing sites (the baselines,
-  picked on the command line); a scheme that cannot recompute them says
-  which key to set."""
+def test_presets_recompute_lowest_sites(name):
+  """The paper presets recompute the lowest three quarters of the sites'
+  outputs, and stay valid with the schemes that have no routing sites (the
+  baselines, picked on the command line); a scheme that cannot recompute them
+  says which key to set."""
   from mhar_jax.config import model_config
   c = load_preset(name)
-  assert model_config(c).recompute_site_outputs == 0.5
+  assert model_config(c).recompute_site_outputs == 0.75
   for residual in ("prenorm", "hyper", "attnres", "mhar"):
     c.model.residual = residual
     assert model_config(c).residual == residual
   c.model.routing_backward = "site"
   with pytest.raises(ValueError,
-                     match=r"model.recompute_site_outputs=0.5.*Set it to 0"):
+                     match=r"model.recompute_site_outputs=0.75.*Set it to 0"):
     model_config(c)
   c.model.recompute_site_outputs = 0
   assert model_config(c).routing_backward == "site"
