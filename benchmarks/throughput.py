@@ -31,7 +31,7 @@ Schemes: ``prenorm``, ``hyper``, ``attnres``, ``mhar`` (H=8, the default
 source-major backward; with Triton its sites in groups of 16 on tensor cores,
 ``mhar+routing_site_group=0`` each alone), ``mhar_b8`` (H=8, 8 blocks),
 ``mhar_site`` (H=8 with ``routing_backward="site"``). The paper presets
-recompute the lower half of the sites' outputs (``recompute_site_outputs=0.5``;
+recompute the lowest 3/4 of the sites' outputs (``recompute_site_outputs=0.75``;
 ``mhar+recompute_site_outputs=0`` keeps them all, as ``mhar_site`` does, and a
 run with ``recompute_sources`` needs it too). Append ``:reference`` or ``:triton`` to force
 the routing implementation (e.g. ``mhar:reference``) and ``+KEY=VALUE`` to
