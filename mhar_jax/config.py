@@ -83,10 +83,11 @@ def paper_preset(*, d_model: int, num_layers: int, num_heads: int,
   recipe (AdamW 5e-4, 1000 warm-up steps, cosine to 0.1x over 20K steps).
 
   The lowest three quarters of the routing sites recompute their outputs in
-  the backward (``model.recompute_site_outputs=0.75``): on an H100 at 100m and
-  350m, peak memory 1.035-1.044x the baseline's instead of ~1.08x (``=0``,
-  every output kept), for 0.8-1.1% of the step more than ``=0.5``, which
-  peaks at 1.05-1.06x (benchmarks/RESULTS.md, sessions 29 and 34)."""
+  the backward (``model.recompute_site_outputs=0.75``): on an H100 (full 100m
+  and 350m, Block 350m) peak memory 1.035-1.044x the baseline's instead of
+  ~1.08x (``=0``, every output kept), for 0.8-1.1% of the step more than
+  ``=0.5``, which peaks at 1.05-1.06x (benchmarks/RESULTS.md, sessions 29 and
+  34)."""
   c = base_config()
   c.model.update(vocab_size=151_936, d_model=d_model, num_layers=num_layers,
                  num_heads=num_heads, num_kv_heads=num_kv_heads,
