@@ -16,7 +16,11 @@ measured on the H200 (benchmarks/RESULTS.md, sessions 8-9), it prints:
   results; each later site reads its new sources and its phase-1 result and
   writes its output;
 * two memory / time side figures quoted in notes: the group buffer of G
-  first-phase results, and one read of every source (the jnp inverse RMS).
+  first-phase results, and one read of every source (the jnp inverse RMS);
+* the arrays the library's default moves (``--default``, :func:`default_arrays`:
+  the presets' routing as built, part by part, in excess of the baseline's
+  residual adds) and the best ratio they allow at the copy bandwidth and the
+  latest H200 baselines (``--latest``).
 """
 
 from __future__ import annotations
@@ -47,12 +51,108 @@ def two_phase_forward(sites: int, g: int) -> tuple[int, int]:
   return per_site, grouped
 
 
+# Baseline (prenorm) step ms on one H200 with the norm backward kernel's
+# tree, benchmarks/RESULTS.md session 33 (100m: 4 microbatches; 350m, 1b: 1).
+LATEST = {"100m": (307.6, 4), "350m": (249.9, 1), "1b": (491.9, 1)}
+
+
+def default_arrays(n: int, blocks, share: float = 0.75, g: int = 16,
+                   heads: int = 8, d: int = 1280) -> dict:
+  """``[T, D]`` arrays one microbatch's routing moves as the library runs it
+  on Triton (``routed_stack`` with its default site groups, the presets'
+  ``recompute_site_outputs=share``), less the baseline's residual adds, by
+  part. ``blocks``: each of the ``n`` sublayers' block index.
+
+  Forward: each site group's first phase reads the sources before it once and
+  writes the group's results; each later site of a group reads its group's
+  new sources and its first-phase result and writes its output (blocks: every
+  site reads its sources and writes its output); each new source is read
+  once for its inverse RMS and copied once into the sources' buffer (full
+  method: a read and a write). Backward: the sites below ``share * n``
+  recompute their outputs (their group's sources read once, the outputs
+  written); sources in groups of ``g`` from the top: the group's share of
+  the sites above it (its sources and those sites' cotangents read, its sums
+  written; ``dlogit r`` fp32 written and read back with the sources again
+  for the query-gain gradient), then each source over its own group's sites
+  (it, its share and those cotangents read, its gradient written, read again
+  for its query-gain rows); blocks: each source over all its readers. The
+  sites' norms (input and backward, ``<dx, x>`` with it) and the sublayers
+  move what the baseline's do. Subtracted: the baseline's residual add, 2
+  arrays a sublayer forward (the sublayer's output read, the sum written)
+  and 1 backward (the sum's gradient read again).
+  """
+  from mhar_jax.kernels.stack import _Plan
+  plan = _Plan(heads, 1e-6, "triton", blocks=tuple(blocks), site_group=g,
+               recompute_below=int(share * n + 0.5))
+  ends = plan.block_ends(n)
+  # sources each site reads: s_0, the finished blocks, its partial sum
+  live, done, partial = [], 1, False
+  for j in range(n + 1):
+    live.append(done + partial)
+    if j < n:
+      done, partial = (done + 1, False) if ends[j] else (done, True)
+  dlr = heads * 4 / (2 * d)          # fp32 per (source, site, head) / array
+  parts = dict.fromkeys(("forward routing", "inverse RMS", "buffer copies",
+                         "recomputed outputs", "sources' group shares",
+                         "per-source gradients", "query-gain reads",
+                         "block sums", "baseline residual"), 0.0)
+  below = plan.recomputed_sites(n)
+  if plan.full:
+    groups = plan.site_groups(n)
+    for a, b in groups:
+      parts["forward routing"] += (a + 1) + (b - a)
+      parts["forward routing"] += sum((j - a) + 2 for j in range(a + 1, b))
+      if a < below:                         # recomputed, one pass a group
+        top = min(b, below)
+        parts["recomputed outputs"] += top + (top - a)
+    parts["buffer copies"] = 2 * n
+    parts["inverse RMS"] = n + 1            # s_0 and every sublayer's output
+    for b in range(n + 1, 0, -g):           # sources from the top
+      a = max(0, b - g)
+      m = n + 1 - b                         # sites above the group
+      if m:
+        parts["sources' group shares"] += 2 * (b - a) + m + (b - a) * m * dlr
+        parts["query-gain reads"] += (b - a) * (1 + m * dlr)
+      for i in range(a, b):                 # s_i, its share, own sites
+        own = b - i
+        parts["per-source gradients"] += 1 + bool(m) + own + 1 + own * dlr
+        parts["query-gain reads"] += 1 + own * dlr
+  else:
+    parts["forward routing"] = sum(s + 1 for s in live)
+    parts["recomputed outputs"] = sum(s + 1 for s in live[:below])
+    # a block's running sum: each sublayer after its block's first adds its
+    # output (2 read, 1 written), and the backward adds the sum's gradient
+    # to the sublayer's the same way
+    parts["block sums"] = 6 * sum(not ends[j - 1] for j in range(1, n))
+    readers = {}                            # source -> sites reading it
+    done = [0]
+    for j in range(n + 1):
+      srcs = list(done) + ([("p", j)] if live[j] > len(done) else [])
+      for s in srcs:
+        readers[s] = readers.get(s, 0) + 1
+      if j < n and ends[j]:
+        done.append(j + 1)
+    parts["inverse RMS"] = len(readers)     # block and partial sums too
+    for m in readers.values():              # s, cotangents, ds; dlr, qg
+      parts["per-source gradients"] += 1 + m + 1 + m * dlr
+      parts["query-gain reads"] += 1 + m * dlr
+  parts["baseline residual"] = -3 * n
+  return parts
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--copy_tbs", type=float, default=4.2,
                   help="copy bandwidth, TB/s (torch copy on the H200)")
+  ap.add_argument("--default", action="store_true",
+                  help="only the library's default, part by part")
+  ap.add_argument("--share", type=float, default=0.75,
+                  help="recompute_site_outputs of --default")
   a = ap.parse_args()
   bw = a.copy_tbs * 1e12
+  if a.default:
+    print_default(bw, a.share)
+    return
   print("| preset | variant | GB/step | ms at 100% copy | best ratio |"
         " target | overhead the target allows, ms |")
   print("|---|---|---|---|---|---|---|")
@@ -80,6 +180,35 @@ def main():
   print(f"\n1b: group buffer of 8 first-phase results {8 * e / 1e9:.2f} GB;"
         f" one read of each of the {n + 1} sources {(n + 1) * e / bw * 1e3:.1f}"
         " ms at 100% copy")
+
+
+def print_default(bw: float, share: float):
+  """The default's arrays by part and the best ratio at ``bw`` bytes/s."""
+  from mhar_jax.layers.router import block_boundaries
+  rows = []
+  for name, (tokens, d, n) in SHAPES.items():
+    step_ms, micro = LATEST[name]
+    e = tokens * d * 2 * micro
+    for label, blocks, target in (("full", range(n), TARGETS[name][0]),
+                                  ("block8", block_boundaries(n, 8),
+                                   TARGETS[name][1])):
+      parts = default_arrays(n, blocks, share, d=d)
+      ms = sum(parts.values()) * e / bw * 1e3
+      rows.append((name, label, parts, ms, step_ms, target))
+  names = list(rows[0][2])
+  print(f"arrays a microbatch, recompute_site_outputs={share}:")
+  print("| preset | variant | " + " | ".join(names) + " | total |")
+  print("|---|---|" + "---|" * (len(names) + 1))
+  for name, label, parts, *_ in rows:
+    print(f"| {name} | {label} | " + " | ".join(
+        f"{parts[k]:.0f}" for k in names) + f" | {sum(parts.values()):.0f} |")
+  print(f"\nat {bw / 1e12:.2f} TB/s against the latest H200 baselines:")
+  print("| preset | variant | ms a step | best ratio | target |"
+        " overhead the target allows, ms |")
+  print("|---|---|---|---|---|---|")
+  for name, label, _, ms, step_ms, target in rows:
+    print(f"| {name} | {label} | {ms:.1f} | {step_ms / (step_ms + ms):.3f} |"
+          f" {target} | {step_ms * (1 / target - 1):.1f} |")
 
 
 if __name__ == "__main__":
