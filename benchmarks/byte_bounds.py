@@ -148,10 +148,13 @@ def main():
                   help="only the library's default, part by part")
   ap.add_argument("--share", type=float, default=0.75,
                   help="recompute_site_outputs of --default")
+  ap.add_argument("--without", default="",
+                  help="--default: parts left out (comma-separated names as"
+                       " printed), what removing their bytes would allow")
   a = ap.parse_args()
   bw = a.copy_tbs * 1e12
   if a.default:
-    print_default(bw, a.share)
+    print_default(bw, a.share, [p for p in a.without.split(",") if p])
     return
   print("| preset | variant | GB/step | ms at 100% copy | best ratio |"
         " target | overhead the target allows, ms |")
@@ -182,8 +185,9 @@ def main():
         " ms at 100% copy")
 
 
-def print_default(bw: float, share: float):
-  """The default's arrays by part and the best ratio at ``bw`` bytes/s."""
+def print_default(bw: float, share: float, without=()):
+  """The default's arrays by part and the best ratio at ``bw`` bytes/s,
+  the parts named in ``without`` left out."""
   from mhar_jax.layers.router import block_boundaries
   rows = []
   for name, (tokens, d, n) in SHAPES.items():
@@ -193,10 +197,16 @@ def print_default(bw: float, share: float):
                                   ("block8", block_boundaries(n, 8),
                                    TARGETS[name][1])):
       parts = default_arrays(n, blocks, share, d=d)
+      unknown = set(without) - set(parts)
+      if unknown:
+        raise SystemExit(f"--without: no part {sorted(unknown)}; the parts"
+                         f" are {list(parts)}")
+      parts = {k: 0.0 if k in without else v for k, v in parts.items()}
       ms = sum(parts.values()) * e / bw * 1e3
       rows.append((name, label, parts, ms, step_ms, target))
   names = list(rows[0][2])
-  print(f"arrays a microbatch, recompute_site_outputs={share}:")
+  print(f"arrays a microbatch, recompute_site_outputs={share}"
+        + (f", without {', '.join(without)}" if without else "") + ":")
   print("| preset | variant | " + " | ".join(names) + " | total |")
   print("|---|---|" + "---|" * (len(names) + 1))
   for name, label, parts, *_ in rows:
