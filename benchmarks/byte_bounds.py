@@ -19,8 +19,8 @@ measured on the H200 (benchmarks/RESULTS.md, sessions 8-9), it prints:
   first-phase results, and one read of every source (the jnp inverse RMS);
 * the arrays the library's default moves (``--default``, :func:`default_arrays`:
   the presets' routing as built, part by part, in excess of the baseline's
-  residual adds) and the best ratio they allow at the copy bandwidth and the
-  latest H200 baselines (``--latest``).
+  residual adds) and the best ratio they allow at the copy bandwidth against
+  the latest H200 baselines (``LATEST``); ``--without`` leaves parts out.
 """
 
 from __future__ import annotations
@@ -125,13 +125,13 @@ def default_arrays(n: int, blocks, share: float = 0.75, g: int = 16,
     # to the sublayer's the same way
     parts["block sums"] = 6 * sum(not ends[j - 1] for j in range(1, n))
     readers = {}                            # source -> sites reading it
-    done = [0]
+    finished = [0]                          # s_0, then each block's sum
     for j in range(n + 1):
-      srcs = list(done) + ([("p", j)] if live[j] > len(done) else [])
-      for s in srcs:
+      partial = [("partial", j)] if live[j] > len(finished) else []
+      for s in finished + partial:
         readers[s] = readers.get(s, 0) + 1
       if j < n and ends[j]:
-        done.append(j + 1)
+        finished.append(j + 1)
     parts["inverse RMS"] = len(readers)     # block and partial sums too
     for m in readers.values():              # s, cotangents, ds; dlr, qg
       parts["per-source gradients"] += 1 + m + 1 + m * dlr
