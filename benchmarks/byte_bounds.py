@@ -148,13 +148,16 @@ def main():
                   help="only the library's default, part by part")
   ap.add_argument("--share", type=float, default=0.75,
                   help="recompute_site_outputs of --default")
+  ap.add_argument("--group", type=int, default=16,
+                  help="--default: the full method's site (and source) group")
   ap.add_argument("--without", default="",
                   help="--default: parts left out (comma-separated names as"
                        " printed), what removing their bytes would allow")
   a = ap.parse_args()
   bw = a.copy_tbs * 1e12
   if a.default:
-    print_default(bw, a.share, [p for p in a.without.split(",") if p])
+    print_default(bw, a.share, [p for p in a.without.split(",") if p],
+                  a.group)
     return
   print("| preset | variant | GB/step | ms at 100% copy | best ratio |"
         " target | overhead the target allows, ms |")
@@ -185,9 +188,10 @@ def main():
         " ms at 100% copy")
 
 
-def print_default(bw: float, share: float, without=()):
+def print_default(bw: float, share: float, without=(), group: int = 16):
   """The default's arrays by part and the best ratio at ``bw`` bytes/s,
-  the parts named in ``without`` left out."""
+  the parts named in ``without`` left out, the full method's groups of
+  ``group``."""
   from mhar_jax.layers.router import block_boundaries
   rows = []
   for name, (tokens, d, n) in SHAPES.items():
@@ -196,7 +200,7 @@ def print_default(bw: float, share: float, without=()):
     for label, blocks, target in (("full", range(n), TARGETS[name][0]),
                                   ("block8", block_boundaries(n, 8),
                                    TARGETS[name][1])):
-      parts = default_arrays(n, blocks, share, d=d)
+      parts = default_arrays(n, blocks, share, g=group, d=d)
       unknown = set(without) - set(parts)
       if unknown:
         raise SystemExit(f"--without: no part {sorted(unknown)}; the parts"
@@ -205,8 +209,9 @@ def print_default(bw: float, share: float, without=()):
       ms = sum(parts.values()) * e / bw * 1e3
       rows.append((name, label, parts, ms, step_ms, target))
   names = list(rows[0][2])
-  print(f"arrays a microbatch, recompute_site_outputs={share}"
-        + (f", without {', '.join(without)}" if without else "") + ":")
+  print(f"arrays a microbatch, recompute_site_outputs={share}, groups of"
+        f" {group}" + (f", without {', '.join(without)}" if without else "")
+        + ":")
   print("| preset | variant | " + " | ".join(names) + " | total |")
   print("|---|---|" + "---|" * (len(names) + 1))
   for name, label, parts, *_ in rows:
