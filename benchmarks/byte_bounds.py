@@ -31,7 +31,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from stack_routing import SHAPES, routing_bytes  # noqa: E402
+from stack_routing import SHAPES, routing_bytes, sources_read  # noqa: E402
 
 # Baseline (prenorm) step ms and microbatches a step, one H200, from
 # benchmarks/RESULTS.md: 100m and 350m session 8, 1b session 9 (run 3).
@@ -54,6 +54,18 @@ def two_phase_forward(sites: int, g: int) -> tuple[int, int]:
 # Baseline (prenorm) step ms on one H200 with the norm backward kernel's
 # tree, benchmarks/RESULTS.md session 33 (100m: 4 microbatches; 350m, 1b: 1).
 LATEST = {"100m": (307.6, 4), "350m": (249.9, 1), "1b": (491.9, 1)}
+PARTS = ("forward routing", "inverse RMS", "buffer copies",
+         "recomputed outputs", "sources' group shares", "per-source gradients",
+         "query-gain reads", "block sums", "baseline residual")
+
+
+def variants(name: str, n: int):
+  """``(label, block index of each sublayer, tokens/s target)`` of the full
+  method and Block MHAR-8 at preset ``name`` of ``n`` sublayers."""
+  from mhar_jax.layers.router import block_boundaries
+  full, block8 = TARGETS[name]
+  return (("full", list(range(n)), full),
+          ("block8", block_boundaries(n, 8), block8))
 
 
 def default_arrays(n: int, blocks, share: float = 0.75, g: int = 16,
@@ -85,17 +97,9 @@ def default_arrays(n: int, blocks, share: float = 0.75, g: int = 16,
   plan = _Plan(heads, 1e-6, "triton", blocks=tuple(blocks), site_group=g,
                recompute_below=int(share * n + 0.5))
   ends = plan.block_ends(n)
-  # sources each site reads: s_0, the finished blocks, its partial sum
-  live, done, partial = [], 1, False
-  for j in range(n + 1):
-    live.append(done + partial)
-    if j < n:
-      done, partial = (done + 1, False) if ends[j] else (done, True)
+  live = sources_read(n, plan.blocks)
   dlr = heads * 4 / (2 * d)          # fp32 per (source, site, head) / array
-  parts = dict.fromkeys(("forward routing", "inverse RMS", "buffer copies",
-                         "recomputed outputs", "sources' group shares",
-                         "per-source gradients", "query-gain reads",
-                         "block sums", "baseline residual"), 0.0)
+  parts = dict.fromkeys(PARTS, 0.0)
   below = plan.recomputed_sites(n)
   if plan.full:
     groups = plan.site_groups(n)
@@ -123,19 +127,16 @@ def default_arrays(n: int, blocks, share: float = 0.75, g: int = 16,
     # a block's running sum: each sublayer after its block's first adds its
     # output (2 read, 1 written), and the backward adds the sum's gradient
     # to the sublayer's the same way
-    parts["block sums"] = 6 * sum(not ends[j - 1] for j in range(1, n))
-    readers = {}                            # source -> sites reading it
-    finished = [0]                          # s_0, then each block's sum
-    for j in range(n + 1):
-      partial = [("partial", j)] if live[j] > len(finished) else []
-      for s in finished + partial:
-        readers[s] = readers.get(s, 0) + 1
-      if j < n and ends[j]:
-        finished.append(j + 1)
-    parts["inverse RMS"] = len(readers)     # block and partial sums too
-    for m in readers.values():              # s, cotangents, ds; dlr, qg
-      parts["per-source gradients"] += 1 + m + 1 + m * dlr
-      parts["query-gain reads"] += 1 + m * dlr
+    adds = sum(not ends[j - 1] for j in range(1, n))
+    parts["block sums"] = 6 * adds
+    # s_0, every block's sum and each partial sum (one a sublayer after its
+    # block's first), each read once for its inverse RMS; each source read,
+    # its gradient written and each (site, source) pair's cotangent read,
+    # ``dlogit r`` written and read back with the source again
+    sources, pairs = 1 + sum(ends) + adds, sum(live)
+    parts["inverse RMS"] = sources
+    parts["per-source gradients"] = 2 * sources + pairs * (1 + dlr)
+    parts["query-gain reads"] = sources + pairs * dlr
   parts["baseline residual"] = -3 * n
   return parts
 
@@ -162,13 +163,10 @@ def main():
   print("| preset | variant | GB/step | ms at 100% copy | best ratio |"
         " target | overhead the target allows, ms |")
   print("|---|---|---|---|---|---|---|")
-  from mhar_jax.layers.router import block_boundaries
   for name, (tokens, d, n) in SHAPES.items():
     step_ms, micro = BASELINE[name]
     e = tokens * d * 2
-    for (label, blocks), target in zip(
-        (("full", list(range(n))), ("block8", block_boundaries(n, 8))),
-        TARGETS[name]):
+    for label, blocks, target in variants(name, n):
       gb = routing_bytes(n, blocks, e)[1] * micro
       ms = gb / bw * 1e3
       print(f"| {name} | {label} | {gb / 1e9:.0f} | {ms:.1f} |"
@@ -192,23 +190,20 @@ def print_default(bw: float, share: float, without=(), group: int = 16):
   """The default's arrays by part and the best ratio at ``bw`` bytes/s,
   the parts named in ``without`` left out, the full method's groups of
   ``group``."""
-  from mhar_jax.layers.router import block_boundaries
+  unknown = set(without) - set(PARTS)
+  if unknown:
+    raise SystemExit(f"--without: no part {sorted(unknown)}; the parts are"
+                     f" {list(PARTS)}")
   rows = []
   for name, (tokens, d, n) in SHAPES.items():
     step_ms, micro = LATEST[name]
     e = tokens * d * 2 * micro
-    for label, blocks, target in (("full", range(n), TARGETS[name][0]),
-                                  ("block8", block_boundaries(n, 8),
-                                   TARGETS[name][1])):
+    for label, blocks, target in variants(name, n):
       parts = default_arrays(n, blocks, share, g=group, d=d)
-      unknown = set(without) - set(parts)
-      if unknown:
-        raise SystemExit(f"--without: no part {sorted(unknown)}; the parts"
-                         f" are {list(parts)}")
       parts = {k: 0.0 if k in without else v for k, v in parts.items()}
       ms = sum(parts.values()) * e / bw * 1e3
       rows.append((name, label, parts, ms, step_ms, target))
-  names = list(rows[0][2])
+  names = list(PARTS)
   print(f"arrays a microbatch, recompute_site_outputs={share}, groups of"
         f" {group}" + (f", without {', '.join(without)}" if without else "")
         + ":")

@@ -93,9 +93,10 @@ def prenorm(h, ps, queries, gains):
   return x
 
 
-def routing_bytes(n, blocks, e):
-  """Minimum routing bytes (fwd, fwd+bwd) of one microbatch, ``e`` = one
-  source's bytes: sum over sites of (S+1) e and (3S+2) e."""
+def sources_read(n, blocks):
+  """The sources each of the ``n + 1`` sites reads, given the ``n``
+  sublayers' block indices: ``s_0``, the finished block sums and (after a
+  block's first sublayer) its partial sum."""
   done, partial, counts = 1, False, []
   for j in range(n):
     counts.append(done + partial)
@@ -103,6 +104,13 @@ def routing_bytes(n, blocks, e):
     if j + 1 == n or blocks[j + 1] != blocks[j]:
       done, partial = done + 1, False
   counts.append(done)
+  return counts
+
+
+def routing_bytes(n, blocks, e):
+  """Minimum routing bytes (fwd, fwd+bwd) of one microbatch, ``e`` = one
+  source's bytes: sum over sites of (S+1) e and (3S+2) e."""
+  counts = sources_read(n, blocks)
   return (sum(s + 1 for s in counts) * e, sum(3 * s + 2 for s in counts) * e)
 
 
