@@ -20,7 +20,8 @@ measured on the H200 (benchmarks/RESULTS.md, sessions 8-9), it prints:
 * the arrays the library's default moves (``--default``, :func:`default_arrays`:
   the presets' routing as built, part by part, in excess of the baseline's
   residual adds) and the best ratio they allow at the copy bandwidth against
-  the latest H200 baselines (``LATEST``); ``--without`` leaves parts out.
+  the latest H200 baselines (``LATEST``); ``--without`` leaves parts out,
+  ``--source_bytes 1`` counts the routing's reads of the sources in 8 bits.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def variants(name: str, n: int):
 
 
 def default_arrays(n: int, blocks, share: float = 0.75, g: int = 16,
-                   heads: int = 8, d: int = 1280) -> dict:
+                   heads: int = 8, d: int = 1280,
+                   source_bytes: float = 2.0) -> dict:
   """``[T, D]`` arrays one microbatch's routing moves as the library runs it
   on Triton (``routed_stack`` with its default site groups, the presets'
   ``recompute_site_outputs=share``), less the baseline's residual adds, by
@@ -92,6 +94,13 @@ def default_arrays(n: int, blocks, share: float = 0.75, g: int = 16,
   move what the baseline's do. Subtracted: the baseline's residual add, 2
   arrays a sublayer forward (the sublayer's output read, the sum written)
   and 1 backward (the sum's gradient read again).
+
+  ``source_bytes``: the bytes of an element of a source as the routing reads
+  it (2: bf16, as built; 1: an 8-bit copy). Each routing read of a source
+  counts ``source_bytes / 2`` arrays; the full method's buffer copy writes
+  that much; with fewer than 2, Block writes each source once more at that
+  width (beside its inverse-RMS read, which stays). Everything else (results,
+  outputs, cotangents, gradients) stays bf16 or fp32.
   """
   from mhar_jax.kernels.stack import _Plan
   plan = _Plan(heads, 1e-6, "triton", blocks=tuple(blocks), site_group=g,
@@ -99,31 +108,34 @@ def default_arrays(n: int, blocks, share: float = 0.75, g: int = 16,
   ends = plan.block_ends(n)
   live = sources_read(n, plan.blocks)
   dlr = heads * 4 / (2 * d)          # fp32 per (source, site, head) / array
+  f = source_bytes / 2               # one read of a source, in arrays
   parts = dict.fromkeys(PARTS, 0.0)
   below = plan.recomputed_sites(n)
   if plan.full:
     groups = plan.site_groups(n)
     for a, b in groups:
-      parts["forward routing"] += (a + 1) + (b - a)
-      parts["forward routing"] += sum((j - a) + 2 for j in range(a + 1, b))
+      parts["forward routing"] += (a + 1) * f + (b - a)
+      parts["forward routing"] += sum((j - a) * f + 2
+                                      for j in range(a + 1, b))
       if a < below:                         # recomputed, one pass a group
         top = min(b, below)
-        parts["recomputed outputs"] += top + (top - a)
-    parts["buffer copies"] = 2 * n
+        parts["recomputed outputs"] += top * f + (top - a)
+    parts["buffer copies"] = n * (1 + f)
     parts["inverse RMS"] = n + 1            # s_0 and every sublayer's output
     for b in range(n + 1, 0, -g):           # sources from the top
       a = max(0, b - g)
       m = n + 1 - b                         # sites above the group
       if m:
-        parts["sources' group shares"] += 2 * (b - a) + m + (b - a) * m * dlr
-        parts["query-gain reads"] += (b - a) * (1 + m * dlr)
+        parts["sources' group shares"] += ((b - a) * (f + 1) + m
+                                           + (b - a) * m * dlr)
+        parts["query-gain reads"] += (b - a) * (f + m * dlr)
       for i in range(a, b):                 # s_i, its share, own sites
         own = b - i
-        parts["per-source gradients"] += 1 + bool(m) + own + 1 + own * dlr
-        parts["query-gain reads"] += 1 + own * dlr
+        parts["per-source gradients"] += f + bool(m) + own + 1 + own * dlr
+        parts["query-gain reads"] += f + own * dlr
   else:
-    parts["forward routing"] = sum(s + 1 for s in live)
-    parts["recomputed outputs"] = sum(s + 1 for s in live[:below])
+    parts["forward routing"] = sum(s * f + 1 for s in live)
+    parts["recomputed outputs"] = sum(s * f + 1 for s in live[:below])
     # a block's running sum: each sublayer after its block's first adds its
     # output (2 read, 1 written), and the backward adds the sum's gradient
     # to the sublayer's the same way
@@ -135,8 +147,9 @@ def default_arrays(n: int, blocks, share: float = 0.75, g: int = 16,
     # ``dlogit r`` written and read back with the source again
     sources, pairs = 1 + sum(ends) + adds, sum(live)
     parts["inverse RMS"] = sources
-    parts["per-source gradients"] = 2 * sources + pairs * (1 + dlr)
-    parts["query-gain reads"] = sources + pairs * dlr
+    parts["buffer copies"] = sources * f if f < 1 else 0
+    parts["per-source gradients"] = sources * (f + 1) + pairs * (1 + dlr)
+    parts["query-gain reads"] = sources * f + pairs * dlr
   parts["baseline residual"] = -3 * n
   return parts
 
@@ -154,11 +167,14 @@ def main():
   ap.add_argument("--without", default="",
                   help="--default: parts left out (comma-separated names as"
                        " printed), what removing their bytes would allow")
+  ap.add_argument("--source_bytes", type=float, default=2.0,
+                  help="--default: bytes of a source element as the routing"
+                       " reads it (2: bf16, as built; 1: 8-bit copies)")
   a = ap.parse_args()
   bw = a.copy_tbs * 1e12
   if a.default:
     print_default(bw, a.share, [p for p in a.without.split(",") if p],
-                  a.group)
+                  a.group, a.source_bytes)
     return
   print("| preset | variant | GB/step | ms at 100% copy | best ratio |"
         " target | overhead the target allows, ms |")
@@ -186,10 +202,11 @@ def main():
         " ms at 100% copy")
 
 
-def print_default(bw: float, share: float, without=(), group: int = 16):
+def print_default(bw: float, share: float, without=(), group: int = 16,
+                  source_bytes: float = 2.0):
   """The default's arrays by part and the best ratio at ``bw`` bytes/s,
   the parts named in ``without`` left out, the full method's groups of
-  ``group``."""
+  ``group``, sources read at ``source_bytes`` bytes an element."""
   unknown = set(without) - set(PARTS)
   if unknown:
     raise SystemExit(f"--without: no part {sorted(unknown)}; the parts are"
@@ -199,13 +216,15 @@ def print_default(bw: float, share: float, without=(), group: int = 16):
     step_ms, micro = LATEST[name]
     e = tokens * d * 2 * micro
     for label, blocks, target in variants(name, n):
-      parts = default_arrays(n, blocks, share, g=group, d=d)
+      parts = default_arrays(n, blocks, share, g=group, d=d,
+                             source_bytes=source_bytes)
       parts = {k: 0.0 if k in without else v for k, v in parts.items()}
       ms = sum(parts.values()) * e / bw * 1e3
       rows.append((name, label, parts, ms, step_ms, target))
   names = list(PARTS)
   print(f"arrays a microbatch, recompute_site_outputs={share}, groups of"
-        f" {group}" + (f", without {', '.join(without)}" if without else "")
+        f" {group}, sources read at {source_bytes:g} bytes"
+        + (f", without {', '.join(without)}" if without else "")
         + ":")
   print("| preset | variant | " + " | ".join(names) + " | total |")
   print("|---|---|" + "---|" * (len(names) + 1))

@@ -47,3 +47,29 @@ def test_blocks_route_site_by_site(n, blocks):
   # s_0, the block sums, one partial sum for each sublayer after its
   # block's first
   assert parts["inverse RMS"] == 1 + blocks + (n - blocks)
+
+
+@pytest.mark.parametrize("n,blocks", [(72, None), (48, 8)])
+def test_8_bit_sources_halve_only_the_source_reads(n, blocks):
+  b = list(range(n)) if blocks is None else block_boundaries(n, blocks)
+  bf16 = byte_bounds.default_arrays(n, b, share=0.75, d=1024)
+  int8 = byte_bounds.default_arrays(n, b, share=0.75, d=1024, source_bytes=1)
+  if blocks is None:
+    # 1b-sized full method: the first phases read 1 + 16 + ... + 64 sources
+    # (n = 72: groups of 16 from site 0), the in-group sites 510; results
+    # and outputs (73 + 68 + 68) stay bf16
+    assert int8["forward routing"] == (161 + 510) / 2 + 73 + 68 + 68
+    assert int8["buffer copies"] == 1.5 * n   # bf16 read, 8-bit write
+  else:
+    # Block: each source written once more in 8 bits; the forward's pairs
+    # read at half width, each site's output written in bf16
+    pairs = sum(byte_bounds.sources_read(n, b))
+    sources = bf16["inverse RMS"]
+    assert int8["forward routing"] == pairs / 2 + n + 1
+    assert int8["buffer copies"] == sources / 2
+  for part in ("inverse RMS", "block sums", "baseline residual"):
+    assert int8[part] == bf16[part]
+  # cotangents, gradients, dlogit r and the sums' writes stay as they were:
+  # the per-source gradients lose exactly half their source reads
+  assert bf16["per-source gradients"] - int8["per-source gradients"] == (
+      pytest.approx((n + 1 if blocks is None else sources) / 2))
