@@ -1,7 +1,7 @@
 """What reading the routing's sources in 8 bits does to training (no kernel).
 
     python3 benchmarks/source_bits.py [--seeds 0,1] [--steps 400]
-        [--config configs/tiny.py] [--dtype bfloat16]
+        [--config configs/tiny.py] [--dtype bfloat16] [--eval_batches N]
 
 No GPU needed. ``benchmarks/byte_bounds.py --source_bytes 1`` counts what an
 8-bit copy of the sources would save the routing kernels; this measures what
@@ -56,7 +56,8 @@ def patch_routing():
   return lambda: setattr(kernels, "route", route)
 
 
-def train(config: str, seed: int, steps: int, dtype: str, eight_bit: bool):
+def train(config: str, seed: int, steps: int, dtype: str, eight_bit: bool,
+          eval_batches: int | None = None):
   """Final eval of one run: ``{metric: value}``."""
   from mhar_jax.config import load_config_file, model_config, validate
   from mhar_jax.train import Trainer, resolve_data
@@ -66,6 +67,8 @@ def train(config: str, seed: int, steps: int, dtype: str, eight_bit: bool):
   cfg.model.update(routing_backward="site", dtype=dtype, routing_impl="reference")
   cfg.train.update(seed=seed, steps=steps)
   cfg.eval.every = steps
+  if eval_batches:
+    cfg.eval.batches = eval_batches
   cfg.checkpoint.every = steps
   model_config(cfg)
   model_cfg = validate(cfg, num_devices=jax.device_count(),
@@ -87,11 +90,13 @@ def main():
   ap.add_argument("--seeds", default="0,1")
   ap.add_argument("--steps", type=int, default=400)
   ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--eval_batches", type=int, default=0,
+                  help="validation batches (0: the config's eval.batches)")
   a = ap.parse_args()
   rows = []
   for seed in (int(s) for s in a.seeds.split(",")):
-    base = train(a.config, seed, a.steps, a.dtype, eight_bit=False)
-    q8 = train(a.config, seed, a.steps, a.dtype, eight_bit=True)
+    base, q8 = (train(a.config, seed, a.steps, a.dtype, eight_bit=e,
+                      eval_batches=a.eval_batches) for e in (False, True))
     rows.append((seed, base, q8))
   keys = sorted(rows[0][1])
   print(f"\n{os.path.relpath(a.config, ROOT)}, {a.steps} steps, {a.dtype},"
