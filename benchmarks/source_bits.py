@@ -59,18 +59,18 @@ def patch_routing():
 def train(config: str, seed: int, steps: int, dtype: str, eight_bit: bool,
           eval_batches: int | None = None):
   """Final eval of one run: ``{metric: value}``."""
-  from mhar_jax.config import load_config_file, model_config, validate
+  from mhar_jax.config import load_config_file, validate
   from mhar_jax.train import Trainer, resolve_data
   import jax
 
   cfg = load_config_file(config)
-  cfg.model.update(routing_backward="site", dtype=dtype, routing_impl="reference")
+  cfg.model.update(routing_backward="site", dtype=dtype,
+                   routing_impl="reference")
   cfg.train.update(seed=seed, steps=steps)
   cfg.eval.every = steps
   if eval_batches:
     cfg.eval.batches = eval_batches
   cfg.checkpoint.every = steps
-  model_config(cfg)
   model_cfg = validate(cfg, num_devices=jax.device_count(),
                        process_count=jax.process_count())
   restore = patch_routing() if eight_bit else (lambda: None)
