@@ -234,12 +234,15 @@ def normed_sublayer(j, p, x, consts):
 @pytest.mark.parametrize("d,heads,n_tok", [(1280, 8, 1000), (512, 8, 4099),
                                            (1024, 16, 77), (64, 4, 1000),
                                            (48, 1, 5)])
-def test_norm_grad_kernel_against_autodiff(dtype, d, heads, n_tok):
+@pytest.mark.parametrize("x_row", [None, 2])
+def test_norm_grad_kernel_against_autodiff(dtype, d, heads, n_tok, x_row):
   """``norm_grad_local`` (a sublayer RMSNorm's backward into a buffer row)
   against the VJP of ``reference.rms_norm`` in float32 at the same inputs:
   ``dx`` (its row NaN before: an unwritten element fails; the other rows
   kept bit for bit), ``<dx, x>`` per head (to the size of its terms, which
-  cancel), the gain's gradient; outputs poisoned first."""
+  cancel), the gain's gradient; outputs poisoned first. ``x_row``: the
+  input read in place as that row of ``[3, N, D]`` (a recomputed group's
+  outputs)."""
   from mhar_jax.kernels import reference, stack, triton_route, triton_stack
   ks = jax.random.split(jax.random.key(d + n_tok), 4)
   x = (jax.random.normal(ks[0], (n_tok, d)) * 1.7 + 0.2).astype(dtype)
@@ -247,10 +250,12 @@ def test_norm_grad_kernel_against_autodiff(dtype, d, heads, n_tok):
   scale = 1 + 0.3 * jax.random.normal(ks[2], (d,))
   buf = jax.random.normal(ks[3], (3, n_tok, d)).astype(dtype)
   buf = buf.at[1].set(jnp.nan)
+  xs = x if x_row is None else jax.random.normal(
+      ks[0], (3, n_tok, d)).astype(dtype).at[x_row].set(x)
   with triton_route.poison_outputs():
     out, xd, dscale = jax.jit(
-        lambda *a: triton_stack.norm_grad_local(*a[:3], 1e-6, heads, a[3], 1))(
-            x, scale, dy, buf)
+        lambda *a: triton_stack.norm_grad_local(*a[:3], 1e-6, heads, a[3], 1,
+                                                x_row))(xs, scale, dy, buf)
   x32, dy32 = x.astype(jnp.float32), dy.astype(jnp.float32)
   with jax.default_matmul_precision("highest"):
     _, vjp = jax.vjp(lambda x, s: reference.rms_norm(x, s, 1e-6), x32, scale)

@@ -36,14 +36,16 @@ def kernel_module():
     (6, 320, 2, True),     # C = 160 = 128 + 32, as at 1b
     (5, 48, 16, False), (9, 24, 1, True), (3, 40, 8, False)])
 @pytest.mark.parametrize("stages", [3, 1])
+@pytest.mark.parametrize("x_row", [None, 2])
 def test_norm_grad_matches_autodiff(kernel_module, monkeypatch, n_tok, d, h,
-                                    one_program, stages):
+                                    one_program, stages, x_row):
   """``norm_grad_local`` (the kernel through the jax-triton stand-in) against
   the VJP of ``reference.rms_norm`` and ``stack.dot_heads``: ``dx`` in its row
   of the buffer (the other rows kept), ``<dx, x>`` per head, the gain's
   gradient summed over the programs. ``one_program``: one program takes
   every tile in turn, tiles of the fewest tokens (2 pipelined, 1 with
-  ``stages`` 1)."""
+  ``stages`` 1). ``x_row``: the input is that row of an array of rows (a
+  recomputed group's outputs), read in place."""
   ts = kernel_module
   monkeypatch.setattr(ts.tr, "_launch", interpreted_launch)
   monkeypatch.setitem(ts.NORM_TUNING, "stages", stages)
@@ -59,7 +61,9 @@ def test_norm_grad_matches_autodiff(kernel_module, monkeypatch, n_tok, d, h,
   dy = jnp.asarray(rng.normal(size=(n_tok, d)), jnp.float32)
   scale = jnp.asarray(1 + 0.3 * rng.normal(size=d), jnp.float32)
   buf = jnp.asarray(rng.normal(size=(3, n_tok, d)), jnp.float32)
-  out, xd, dscale = ts.norm_grad_local(x, scale, dy, 1e-6, h, buf, 1)
+  xs = x if x_row is None else jnp.asarray(
+      rng.normal(size=(3, n_tok, d)), jnp.float32).at[x_row].set(x)
+  out, xd, dscale = ts.norm_grad_local(xs, scale, dy, 1e-6, h, buf, 1, x_row)
   _, vjp = jax.vjp(lambda x, s: reference.rms_norm(x, s, 1e-6), x, scale)
   dx, dscale_ref = vjp(dy)
   np.testing.assert_array_equal(out[0], buf[0])
@@ -634,8 +638,10 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
   def rows_buffer_local(rows, like, dtype, tag):  # unwritten rows: NaN
     return jnp.full((rows, *like.shape), jnp.nan, dtype)
 
-  def norm_grad_local(x, scale, dy, eps, heads, buf, row):
+  def norm_grad_local(x, scale, dy, eps, heads, buf, row, x_row=None):
     calls.append("norm")
+    calls.append(("x_row", x_row))
+    x = x if x_row is None else x[x_row]
     _, vjp = jax.vjp(lambda x, s: reference.rms_norm(x, s, eps), x, scale)
     dx, dscale = vjp(dy)
     return buf.at[row].set(dx), stack.dot_heads(dx, x, heads), dscale
@@ -673,10 +679,15 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
   rows = [c[1:] for c in calls if c[0] == "rows"]
   into = [c[1] for c in calls if c[0] == "into"]
   pieces = [c[1] for c in calls if c[0] == "pieces"]
-  # with norm, every site's norm gradient by its kernel, under the mesh
+  # with norm, every site's norm gradient by its kernel, under the mesh;
+  # the recomputed sites' inputs read as rows of their group's outputs
   assert calls.count("norm") == (n if norm else 0), calls
+  x_rows = [c[1] for c in calls if c[0] == "x_row"]
+  assert len(x_rows) == calls.count("norm")
+  if norm:   # sites 8 .. 0 of the recomputed groups [7, 9), [3, 7), [0, 3)
+    assert x_rows == [1, 0, 3, 2, 1, 0, 2, 1, 0], x_rows
   calls = [c for c in calls if c not in ("source", "norm")
-           and c[0] not in ("rows", "into", "pieces")]
+           and c[0] not in ("rows", "into", "pieces", "x_row")]
   merged = bool(project) and site_block == 4
   if blocks is None:
     # forward groups (0, 3), (3, 7), (7, 10); backward groups [2, 6), [0, 2)

@@ -831,7 +831,10 @@ def _stack_bwd(fns, plan, res, g):
 
   def routed_input(j, after):
     """Site ``j``'s output ``x_j`` (``j < n``), recomputed (``norm`` given)
-    from the sources it reads, as the forward routed it up to rounding.
+    from the sources it reads, as the forward routed it up to rounding, as
+    ``(rows, k)`` with ``x_j = rows[k]``: ``rows [G, ..., D]`` the outputs
+    of ``j``'s group (the norm kernel reads the row in place; a sliced row
+    would be a copy).
     Full method: every site of ``j``'s group (``plan.site_groups``; the
     backward reaches its top site first) in one pass over the sources,
     site k reading ``s_0 .. s_k``; the shared buffer's rows ``0 .. k`` are
@@ -849,12 +852,12 @@ def _stack_bwd(fns, plan, res, g):
       if partials[j] is not None:
         live, live_r = live + [partials[j]], live_r + [partial_r[j]]
       live_r, _ = jax.lax.optimization_barrier((live_r, after))
-      return _sites(live, t[j:j + 1], live_r, plan)[0][0]
+      return _sites(live, t[j:j + 1], live_r, plan)[0], 0
     a, b = next(ab for ab in plan.site_groups(n) if ab[0] <= j < ab[1])
     b = min(b, plan.recomputed_sites(n))  # the sites above keep theirs
     r_rows, _ = jax.lax.optimization_barrier((jnp.stack(done_r[:b]), after))
     if not shared and b - a == 1:         # site by site from the list
-      return _sites(done[:b], t[j:j + 1], list(r_rows), plan)[0][0]
+      return _sites(done[:b], t[j:j + 1], list(r_rows), plan)[0], 0
     if shared and plan.impl == "triton" and _tensor_core_group(
         plan, b - a, g.shape[-1], any_size=True):
       from mhar_jax.kernels import triton_stack
@@ -863,8 +866,8 @@ def _stack_bwd(fns, plan, res, g):
     else:
       rows = cots[0][:b] if shared else jnp.stack(done[:b])
       out, _ = _sites_jnp(rows, t[a:b], r_rows, h, causal=True)
-    recomputed.update({k: out[k - a] for k in range(a, b) if k != j})
-    return out[j - a]
+    recomputed.update({k: (out, k - a) for k in range(a, b) if k != j})
+    return out, j - a
 
   def settled(outs):
     """``outs`` (read from the cotangent buffers) through an optimization
@@ -891,7 +894,8 @@ def _stack_bwd(fns, plan, res, g):
       dparams[j] = jax.tree.map(jnp.add, dparams[j], dp_project)
       after = dx
     elif norm is not None:     # the norm's gradient at x_j (kept or recomputed)
-      x_j = xs[j] if xs[j] is not None else routed_input(j, dy)
+      x_rows, x_row = ((xs[j][None], 0) if xs[j] is not None
+                       else routed_input(j, dy))
       dparams[j], dyn = vjps[j](dy)
       if plan.impl == "triton" and plan.use_buffers and _norm_kernel():
         # one kernel: dx into its buffer row in place, <dx, x_j>, the gain's
@@ -901,12 +905,13 @@ def _stack_bwd(fns, plan, res, g):
                                    params[j])
         a, row = row_of(j, dyn)
         cots[a], xd_j, dscale = triton_stack.norm_grad(
-            x_j, scale, dyn, norm.eps, h, cots[a], row, plan.mesh,
-            plan.batch_axes)
+            x_rows, scale, dyn, norm.eps, h, cots[a], row, plan.mesh,
+            plan.batch_axes, x_row=x_row)
         xd = xd.at[j + off].set(xd_j)
         dp_norm = scale_vjp(dscale.astype(scale.dtype))[0]
         dx = None              # written, with <dx, x_j>
       else:
+        x_j = x_rows[x_row]
         dp_norm, dx = jax.vjp(functools.partial(norm, j), params[j], x_j)[1](
             dyn)
       dparams[j] = jax.tree.map(jnp.add, dparams[j], dp_norm)

@@ -439,14 +439,15 @@ NORM_TUNING: dict = {"elems_per_thread": 16, "warps": 8, "stages": 3,
 
 @triton.jit
 def norm_grad_kernel(x_ptr, dy_ptr, g_ptr, buf_in, buf_init, xd_init,
-                     dg_init, ROW, N, buf_ptr, xd_ptr, dg_ptr,
+                     dg_init, ROW, X_ROW, N, buf_ptr, xd_ptr, dg_ptr,
                      D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                      HP: tl.constexpr, CA: tl.constexpr, CB: tl.constexpr,
                      BN: tl.constexpr, EPS: tl.constexpr,
                      STAGES: tl.constexpr):
   """The gradient of ``y = x * rsqrt(mean(x^2) + EPS) * g`` for ``dy``.
 
-  ``x_ptr``, ``dy_ptr [N, D]``, ``g_ptr [D]`` fp32. Per token, with ``r =
+  ``x`` is row ``X_ROW`` of ``x_ptr [X, N, D]``; ``dy_ptr [N, D]``, ``g_ptr
+  [D]`` fp32. Per token, with ``r =
   rsqrt(mean(x^2) + EPS)`` and ``m = sum_c x_c g_c dy_c``::
 
       dx = r g dy - x r^3 m / D        (rounded to the buffer's dtype)
@@ -462,11 +463,12 @@ def norm_grad_kernel(x_ptr, dy_ptr, g_ptr, buf_in, buf_init, xd_init,
   ga, gb = _load(g_ptr, 0, cola, cmska, colb, cmskb, CB)
   n64 = N + tl.zeros((), tl.int64)          # N may be specialised to 1
   dst = buf_ptr + ROW * n64 * D
+  src = x_ptr + X_ROW * n64 * D
   dga, dgb = _zeros(BN, HP, CA, CB)      # dy x r, summed over tiles
   for tile in tl.range(pid, tl.cdiv(N, BN), progs, num_stages=STAGES):
     base, offa, mska, offb, mskb, hbase, hoff, hmask = _rows(
         tile, N, cola, cmska, colb, cmskb, D, H, HP, BN)
-    xa, xb = _load(x_ptr, base, offa, mska, offb, mskb, CB)
+    xa, xb = _load(src, base, offa, mska, offb, mskb, CB)
     dya, dyb = _load(dy_ptr, base, offa, mska, offb, mskb, CB)
     xa = xa.to(tl.float32)
     xb = xb.to(tl.float32)
@@ -507,19 +509,22 @@ def norm_grad_programs(n: int, d: int, h: int) -> tuple[int, int]:
                         tr._num_sms() * int(tu["programs_per_sm"])))
 
 
-def norm_grad_local(x, scale, dy, eps: float, h: int, buf, row: int):
+def norm_grad_local(x, scale, dy, eps: float, h: int, buf, row: int,
+                    x_row: int | None = None):
   """A sublayer input RMSNorm's gradient into a row of a buffer, local arrays.
 
-  ``x``, ``dy [N, D]`` (the norm's input and its output's cotangent),
+  ``x``, ``dy [N, D]`` (the norm's input and its output's cotangent; with
+  ``x_row``, the input is row ``x_row`` of ``x [X, N, D]``, read in place),
   ``scale [D]`` the gain, ``buf [R, N, D]``. Returns ``(buf`` with row
   ``row`` = ``dx`` in ``buf``'s dtype (the others kept; updated in place),
   ``<dx, x> [N, H]`` float32 of that rounded ``dx``, ``dscale [D]``
   float32)``: the VJP of ``reference.rms_norm(x, scale, eps)`` and
   ``stack.dot_heads``, up to float32 rounding."""
-  n, d = x.shape
+  n, d = dy.shape
   bn, progs = norm_grad_programs(n, d, h)
   buf, xd, dg = tr._launch(
-      norm_grad_kernel, [x, dy, scale.astype(jnp.float32), buf], [int(row), n],
+      norm_grad_kernel, [x, dy, scale.astype(jnp.float32), buf],
+      [int(row), 0 if x_row is None else int(x_row), n],
       [jax.ShapeDtypeStruct(buf.shape, buf.dtype),
        jax.ShapeDtypeStruct((n, h), jnp.float32),
        jax.ShapeDtypeStruct((progs, d), jnp.float32)],
@@ -530,27 +535,31 @@ def norm_grad_local(x, scale, dy, eps: float, h: int, buf, row: int):
 
 
 def norm_grad(x, scale, dy, eps: float, h: int, buf, row: int, mesh=None,
-              batch_axes=()):
+              batch_axes=(), x_row: int | None = None):
   """:func:`norm_grad_local` on ``x``, ``dy [tokens..., D]`` and ``buf [R,
-  tokens..., D]``, under ``shard_map`` over the batch axes of ``mesh`` when
-  given (``dscale`` psummed). Returns ``(buf, xd [tokens..., H], dscale
-  [D])``."""
+  tokens..., D]`` (with ``x_row``, ``x [X, tokens..., D]`` and its row
+  ``x_row`` the input), under ``shard_map`` over the batch axes of ``mesh``
+  when given (``dscale`` psummed). Returns ``(buf, xd [tokens..., H],
+  dscale [D])``."""
   from jax.sharding import PartitionSpec as P
 
   def local(x, scale, dy, buf):
-    loc = x.shape[:-1]
+    loc = dy.shape[:-1]
     flat = lambda a: a.reshape(-1, a.shape[-1])   # noqa: E731
+    rows = lambda a: a.reshape(a.shape[0], -1, a.shape[-1])   # noqa: E731
     out, xd, dg = norm_grad_local(
-        flat(x), scale, flat(dy), eps, h,
-        buf.reshape(buf.shape[0], -1, buf.shape[-1]), row)
+        flat(x) if x_row is None else rows(x), scale, flat(dy), eps, h,
+        rows(buf), row, x_row)
     if mesh is not None and batch_axes:
       dg = jax.lax.psum(dg, batch_axes)
     return out.reshape(buf.shape), xd.reshape(*loc, h), dg
 
   if mesh is None or not batch_axes:
     return local(x, scale, dy, buf)
-  tok, _, site, _ = _specs(batch_axes, x.ndim - 1)
-  return jax.shard_map(local, mesh=mesh, in_specs=(tok, P(), tok, site),
+  tok, _, site, _ = _specs(batch_axes, dy.ndim - 1)
+  return jax.shard_map(local, mesh=mesh,
+                       in_specs=(tok if x_row is None else site, P(), tok,
+                                 site),
                        out_specs=(site, tok, P()), check_vma=False)(
                            x, scale, dy, buf)
 
