@@ -446,9 +446,9 @@ def norm_grad_kernel(x_ptr, dy_ptr, g_ptr, buf_in, buf_init, xd_init,
                      STAGES: tl.constexpr):
   """The gradient of ``y = x * rsqrt(mean(x^2) + EPS) * g`` for ``dy``.
 
-  ``x`` is row ``X_ROW`` of ``x_ptr [X, N, D]``; ``dy_ptr [N, D]``, ``g_ptr
-  [D]`` fp32. Per token, with ``r =
-  rsqrt(mean(x^2) + EPS)`` and ``m = sum_c x_c g_c dy_c``::
+  ``x`` is row ``X_ROW`` of ``x_ptr [X, N, D]``; ``dy_ptr [N, D]``;
+  ``g_ptr [D]`` fp32. Per token, with ``r = rsqrt(mean(x^2) + EPS)`` and
+  ``m = sum_c x_c g_c dy_c``::
 
       dx = r g dy - x r^3 m / D        (rounded to the buffer's dtype)
       xd_h = <dx, x>_h                 dg += dy x r
