@@ -8,7 +8,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)),
                                 "benchmarks"))
 import byte_bounds  # noqa: E402
-from stack_routing import routing_bytes  # noqa: E402
+from stack_routing import routing_bytes, sources_read  # noqa: E402
 
 from mhar_jax.layers.router import block_boundaries  # noqa: E402
 
@@ -63,7 +63,7 @@ def test_8_bit_sources_halve_only_the_source_reads(n, blocks):
   else:
     # Block: each source written once more in 8 bits; the forward's pairs
     # read at half width, each site's output written in bf16
-    pairs = sum(byte_bounds.sources_read(n, b))
+    pairs = sum(sources_read(n, b))
     sources = bf16["inverse RMS"]
     assert int8["forward routing"] == pairs / 2 + n + 1
     assert int8["buffer copies"] == sources / 2
