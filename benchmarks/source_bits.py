@@ -98,6 +98,9 @@ def main():
     base, q8 = (train(a.config, seed, a.steps, a.dtype, eight_bit=e,
                       eval_batches=a.eval_batches) for e in (False, True))
     rows.append((seed, base, q8))
+    print(f"seed {seed}: " + ", ".join(
+        f"{k} {base[k]:.4f} -> {q8[k]:.4f}" for k in sorted(base)
+        if k.endswith(("loss", "bpb"))), flush=True)
   keys = sorted(rows[0][1])
   print(f"\n{os.path.relpath(a.config, ROOT)}, {a.steps} steps, {a.dtype},"
         " routing site by site (jnp); final eval:")
