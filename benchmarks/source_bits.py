@@ -98,6 +98,9 @@ def main():
     base, q8 = (train(a.config, seed, a.steps, a.dtype, eight_bit=e,
                       eval_batches=a.eval_batches) for e in (False, True))
     rows.append((seed, base, q8))
+    missing = sorted(set(base) ^ set(q8))
+    if missing:      # a run stopped early (e.g. SIGTERM) returns no eval
+      raise SystemExit(f"seed {seed}: only one run of the pair has {missing}")
     print(f"seed {seed}: " + ", ".join(
         f"{k} {base[k]:.4f} -> {q8[k]:.4f}" for k in sorted(base)
         if k.endswith(("loss", "bpb"))), flush=True)
