@@ -2,6 +2,7 @@
 
     python3 benchmarks/depth_attention.py --sizes 32768x37 --sites 16
     python3 benchmarks/depth_attention.py --configs 16x1x3,16x1x3x16x1
+    python3 benchmarks/depth_attention.py --configs 16x1x3 --q8
 
 Routing G sites over the same S sources is, per token and head, attention
 with the G queries ``t_g`` (``[G, C]``) and the sources as keys and values
@@ -17,6 +18,13 @@ library's kernel for it (``triton_stack.sites``, the first phase of
 ``routed_stack(..., site_group=G)``), in several tunings, against
 ``triton_route``'s G-site launch and G single-site launches on the same
 inputs (all given the inverse RMS), each checked against the jnp reference.
+
+``--q8`` also times each config over an 8-bit buffer of the same sources
+(``reference.quantize_rows``: ``e4m3(x r)``, read as ``q`` for the logits and
+``q / r`` for the values), checked against the jnp routing of the dequantized
+rows; its bandwidth counts S one-byte rows and G bf16 outputs, and the ratio to
+the bf16 buffer's time is what 8-bit sources would save this kernel (the
+8-bit plan, ROUTING_NOTES.md session 37).
 
 Precision: the queries enter the first product as two bf16 terms (hi + lo,
 ~16 mantissa bits, like fp32 logits to ~1e-5); the weights enter the second
@@ -46,6 +54,8 @@ def main():
                   help="tokens a program x warps x pipeline stages [x "
                   "sources a block [x split weights, 0 or 1]] of "
                   "triton_stack.sites_kernel")
+  ap.add_argument("--q8", action="store_true",
+                  help="also time each config over an 8-bit buffer")
   ap.add_argument("--json", default="")
   a = ap.parse_args()
   import jax
@@ -78,6 +88,13 @@ def main():
     lib_1 = jax.jit(lambda srcs, t, rs: [triton_route._fwd_impl(
         tuple(srcs), t[k:k + 1], cfg, rs=tuple(rs)) for k in range(a.sites)])
     nbytes = (s + a.sites) * n * a.d * 2
+    if a.q8:
+      q, _ = reference.quantize_rows(x, 1e-6)
+      with jax.default_matmul_precision("highest"):
+        want8, want8_lse = jax.jit(lambda q, t, r: stack._sites_jnp(
+            reference.dequantize_rows(q, r), t.reshape(a.sites, a.h, -1), r,
+            a.h))(q, t, r)
+      nbytes8 = (s + 2 * a.sites) * n * a.d
     res = {}
     for name, fn, args in (
         ("library, G-site launch", lib_g, (srcs, t, rs)),
@@ -109,6 +126,18 @@ def main():
             f"{100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs:.1f}% of copy "
             f"(S + G arrays), out rel err {err:.1e}, lse abs err {lerr:.1e}",
             flush=True)
+      if a.q8:
+        out8, lse8 = fn(q, r, t)
+        err8 = float(jnp.max(jnp.abs(out8.astype(jnp.float32) - want8))
+                     / jnp.max(jnp.abs(want8)))
+        lerr8 = float(jnp.max(jnp.abs(lse8 - want8_lse)))
+        ms8, _, _ = _median_ms(fn, (q, r, t))
+        res[f"8-bit rows {cfg_s}"] = ms8
+        print(f"  {n}x{s} 8-bit rows {cfg_s}: {ms8:.3f} ms "
+              f"({ms8 / ms:.3f}x the bf16 buffer's), "
+              f"{100 * nbytes8 / (ms8 * 1e-3) / 1e9 / copy_gbs:.1f}% of copy "
+              f"(S bytes + 2 G), out rel err {err8:.1e}, "
+              f"lse abs err {lerr8:.1e}", flush=True)
     for k, v in res.items():
       print(f"{n}x{s} G={a.sites}: {k:28s} {v:8.3f} ms", flush=True)
     rows.append(dict(n=n, s=s, g=a.sites, ms=res))

@@ -699,10 +699,12 @@ def _sites_block(xp, rp, sm, cm, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m,
                  lsum, acca, accb, CA: tl.constexpr, CB: tl.constexpr,
                  LOWP: tl.constexpr, EVEN_S: tl.constexpr,
                  FULL_B: tl.constexpr, CAUSAL: tl.constexpr,
-                 SPLIT_P: tl.constexpr):
+                 SPLIT_P: tl.constexpr, Q8: tl.constexpr):
   """One block of SB sources at one token and head folded into G sites'
   online softmax ``(m, lsum, acca, accb)`` (``m`` -inf: a fresh start);
-  SPLIT_P (with LOWP): the weights as two 16-bit terms in the sum.
+  SPLIT_P (with LOWP): the weights as two 16-bit terms in the sum. Q8: the
+  rows hold ``q = s r`` (8-bit rows widened to bf16, exactly): the logit is
+  ``<t, q>``, the value ``q / r`` (the weights divided by ``r``).
 
   ``xp`` points at the block's rows (``[SB]`` row pointers, the head's first
   channel), ``rp`` at their inverse RMS, ``sm [SB]`` which sources exist,
@@ -710,29 +712,39 @@ def _sites_block(xp, rp, sm, cm, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m,
   ``t*_hi``/``t*_lo [G, CA|CB]`` the queries (two terms when LOWP). CB = 0:
   ``tb_*``/``accb`` are placeholders, returned as given."""
   xa = _load_tile(xp[:, None] + ca[None, :], sm[:, None], EVEN_S)
-  if not LOWP:
+  if xa.dtype.is_fp8():
+    xa = xa.to(tl.bfloat16)
+  elif not LOWP:
     xa = xa.to(tl.float32)
   u = _dot2(ta_hi, ta_lo, tl.trans(xa), LOWP)
   if CB > 0:
     xb = _load_tile(xp[:, None] + CA + cb[None, :], sm[:, None] & cbm[None, :],
                     FULL_B)
-    if not LOWP:
+    if xb.dtype.is_fp8():
+      xb = xb.to(tl.bfloat16)
+    elif not LOWP:
       xb = xb.to(tl.float32)
     u += _dot2(tb_hi, tb_lo, tl.trans(xb), LOWP)
   rs = _load_tile(rp, sm, EVEN_S)
-  if CAUSAL:
-    logit = tl.where(cm & sm[None, :], u * rs[None, :], float("-inf"))
-  elif EVEN_S:
-    logit = u * rs[None, :]
+  if Q8:
+    logit = u
   else:
-    logit = tl.where(sm[None, :], u * rs[None, :], float("-inf"))
+    logit = u * rs[None, :]
+  if CAUSAL:
+    logit = tl.where(cm & sm[None, :], logit, float("-inf"))
+  elif not EVEN_S:
+    logit = tl.where(sm[None, :], logit, float("-inf"))
   m_new = tl.maximum(m, tl.max(logit, axis=1))
   alpha = tl.exp(m - m_new)                  # 0 on a fresh start
   p = tl.exp(logit - m_new[:, None])
   lsum = lsum * alpha + tl.sum(p, axis=1)
-  acca = acca * alpha[:, None] + _weighted(p, xa, LOWP, SPLIT_P)
+  if Q8:                         # rows past S: p 0 (and r read as 0)
+    pv = p / tl.where(sm, rs, 1.0)[None, :]
+  else:
+    pv = p
+  acca = acca * alpha[:, None] + _weighted(pv, xa, LOWP, SPLIT_P)
   if CB > 0:
-    accb = accb * alpha[:, None] + _weighted(p, xb, LOWP, SPLIT_P)
+    accb = accb * alpha[:, None] + _weighted(pv, xb, LOWP, SPLIT_P)
   return m_new, lsum, acca, accb
 
 
@@ -771,7 +783,8 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
                  CA: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
                  SB: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
                  LOWP: tl.constexpr, EVEN_S: tl.constexpr,
-                 CAUSAL: tl.constexpr, SPLIT_P: tl.constexpr):
+                 CAUSAL: tl.constexpr, SPLIT_P: tl.constexpr,
+                 Q8: tl.constexpr):
   """BT tokens of head ``program_id(1)``: GV sites over the first S sources.
 
   ``x_ptr [R, N, D]`` (R >= S rows of sources), ``r_ptr [S, N]`` fp32 inverse
@@ -784,6 +797,10 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
 
   CAUSAL: site g reads only the sources ``s <= S - GV + g`` (the last site
   all S: consecutive sites of the full method, each reading one source more).
+  Q8: ``x_ptr`` holds each source's 8-bit ``q = e4m3(x_s r_s)``, read as the
+  normalized source (``logit = <t_g, q_s>_h``) and ``q_s / r_s`` (``out``);
+  products and ``out`` in bf16 (the 8-bit plan:
+  benchmarks/ROUTING_NOTES.md, session 37).
 
   Per token, ``[G, C] x [C, SB]`` then ``[G, SB] x [SB, C]`` products (G a
   power of two >= 16 >= GV; rows >= GV are masked) with an online softmax over
@@ -800,6 +817,8 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
   tile = tl.program_id(0)
   h = tl.program_id(1)
   dt = x_ptr.dtype.element_ty
+  if dt.is_fp8():          # Q8's rows, widened to bf16 for the products
+    dt = tl.bfloat16
   g = tl.arange(0, G)
   gm = g < GV
   ca = tl.arange(0, CA)
@@ -838,11 +857,11 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
         x_ptr + s0 * nd + srow + row, r_ptr + (s0 + sb) * n64 + n,
         s0 + sb < S, (s0 + sb)[None, :] <= glast[:, None], ta_hi, ta_lo,
         tb_hi, tb_lo, ca, cb, cbm, m, lsum, acca, accb, CA, CB, LOWP, EVEN_S,
-        FULL_B, CAUSAL, SPLIT_P)
+        FULL_B, CAUSAL, SPLIT_P, Q8)
     if s0 + SB >= S:
       _sites_store(out_ptr, lse_ptr, gout + row, glse + n * H,
                    tl.where(nn < N, gm, False), ca, cb, cbm, m, lsum, acca,
-                   accb, dt, CA, CB)
+                   accb, out_ptr.dtype.element_ty, CA, CB)
 
 
 def sites_supported(d: int, h: int, g: int) -> bool:
@@ -864,6 +883,12 @@ def sites_local(x, r, s: int, t, h: int, causal: bool = False):
   ``stack._sites`` computes them; ``causal``: site g reads only the rows
   ``0 .. s - G + g`` (G consecutive sites of the full method, the last
   reading all ``s``), as ``stack._sites_jnp(causal=True)``.
+
+  ``x`` in ``float8_e4m3fn``: each row holds ``q = e4m3(source * r)``
+  (``reference.quantize_rows``), and the sites route the sources ``q / r``
+  with the same ``r``: ``stack._sites_jnp`` over
+  ``reference.dequantize_rows(q, r)``; ``out`` in bfloat16. Not yet used by
+  the stack (the 8-bit plan, benchmarks/ROUTING_NOTES.md, session 37).
   """
   _, n, d = x.shape
   g = t.shape[0]
@@ -872,12 +897,14 @@ def sites_local(x, r, s: int, t, h: int, causal: bool = False):
     raise ValueError(f"sites_local: {g} causal sites over {s} rows; the"
                      " first site must read at least one row (G <= s).")
   t = t.astype(jnp.float32)
+  q8 = x.dtype == jnp.float8_e4m3fn
+  out_dtype = jnp.bfloat16 if q8 else x.dtype
   return _group_launch(
       "sites_local", sites_kernel, SITES_TUNING, [x, r.astype(jnp.float32), t],
-      [int(s), g, n], [jax.ShapeDtypeStruct((g, n, d), x.dtype),
+      [int(s), g, n], [jax.ShapeDtypeStruct((g, n, d), out_dtype),
                        jax.ShapeDtypeStruct((g, n, h), jnp.float32)],
       x.dtype, n, d, h, g, SB=sb, EVEN_S=s % sb == 0, CAUSAL=bool(causal),
-      SPLIT_P=bool(SITES_TUNING["split_weights"]))
+      SPLIT_P=bool(SITES_TUNING["split_weights"]), Q8=bool(q8))
 
 
 def _group_launch(name, kernel, tu, inputs, scalars, out_shapes, dtype, n, d,
