@@ -598,6 +598,8 @@ def test_sites_kernel_8bit_rows(kernel_module, monkeypatch, n, d, h, rows, s,
   tok = np.abs(np.asarray(want)).max(axis=(0, 2), keepdims=True)
   assert (err <= 1e-2 * tok).all(), float((err / tok).max())
   np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="float8_e4m3fn"):
+    ts.sites_local(q.astype(jnp.float8_e5m2), r[:s], s, t, h, causal)
 
 
 def test_sites_supported(kernel_module):

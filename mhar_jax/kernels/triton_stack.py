@@ -898,6 +898,9 @@ def sites_local(x, r, s: int, t, h: int, causal: bool = False):
                      " first site must read at least one row (G <= s).")
   t = t.astype(jnp.float32)
   q8 = x.dtype == jnp.float8_e4m3fn
+  if x.dtype.itemsize == 1 and not q8:
+    raise ValueError(f"sites_local: rows of dtype {x.dtype}; 8-bit rows must"
+                     " be float8_e4m3fn (reference.quantize_rows).")
   out_dtype = jnp.bfloat16 if q8 else x.dtype
   return _group_launch(
       "sites_local", sites_kernel, SITES_TUNING, [x, r.astype(jnp.float32), t],
