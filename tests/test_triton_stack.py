@@ -548,6 +548,30 @@ def test_sites_kernel_matches_jnp_sites(kernel_module, n, d, h, rows, s, g,
   np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows,s,g,out_row", [(22, 5, 16, 6), (40, 19, 9, 31)])
+def test_sites_kernel_into_rows(kernel_module, monkeypatch, rows, s, g,
+                                out_row):
+  """``sites_local(out_row=...)``: the G results written into rows
+  ``out_row ..`` of the source buffer itself (the others kept) and of an
+  ``[R, N, H]`` lse; out_row before s or past R - G refused."""
+  ts = kernel_module
+  n, d, h = 3, 320, 2
+  x, r, t, (want, want_lse) = _sites_problem(n, d, h, rows, s, g, jnp.float32)
+  monkeypatch.setattr(ts.tr, "_launch", interpreted_launch)
+  monkeypatch.setitem(ts.SITES_TUNING, "tokens_per_program", 2)
+  out, lse = ts.sites_local(x, r, s, t, h, out_row=out_row)
+  assert out.shape == x.shape and lse.shape == (rows, n, h)
+  got = slice(out_row, out_row + g)
+  np.testing.assert_allclose(out[got], want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(lse[got], want_lse, rtol=1e-5, atol=1e-5)
+  kept = np.ones(rows, bool)
+  kept[got] = False
+  np.testing.assert_array_equal(out[kept], x[kept])
+  for bad in (s - 1, rows - g + 1):
+    with pytest.raises(ValueError, match="out_row"):
+      ts.sites_local(x, r, s, t, h, out_row=bad)
+
+
 @pytest.mark.parametrize("split_weights", [False, True])
 def test_sites_kernel_16bit_launch(kernel_module, monkeypatch, split_weights):
   """``sites_kernel`` launched for bf16 sources (the LOWP path: queries as
@@ -633,9 +657,18 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
 
   calls = []
 
-  def sites_local(x, r, s, t, heads, causal=False):
+  def sites_local(x, r, s, t, heads, causal=False, out_row=None):
     calls.append("causal" if causal else "sites")
-    return stack._sites_jnp(x[:s], t.reshape(t.shape[0], h, -1), r, h, causal)
+    calls.append(("out_row", out_row))
+    out, lse = stack._sites_jnp(x[:s], t.reshape(t.shape[0], h, -1), r, h,
+                                causal)
+    if out_row is None:
+      return out, lse
+    assert s <= out_row <= x.shape[0] - t.shape[0], (s, out_row, x.shape)
+    # the rows not written: NaN, as unwritten kernel outputs are poisoned
+    lse_rows = jnp.full((x.shape[0], *lse.shape[1:]), jnp.nan, lse.dtype)
+    return (x.at[out_row:out_row + t.shape[0]].set(out),
+            lse_rows.at[out_row:out_row + t.shape[0]].set(lse))
 
   def sources_partial_local(S, i0, gv, r, dX, t, lse, xd, j, m, heads,
                             init=None, dx_row=None, into=None):
@@ -719,8 +752,15 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
   assert len(x_rows) == calls.count("norm")
   if norm:   # sites 8 .. 0 of the recomputed groups [7, 9), [3, 7), [0, 3)
     assert x_rows == [1, 0, 3, 2, 1, 0, 2, 1, 0], x_rows
+  # the forward's groups (0, 3), (3, 7), (7, 10) write their first phase
+  # into the saved buffer's rows 1 .., 4 .., 8 .. (sources not yet made);
+  # recomputed sources keep no buffer: their own arrays
+  out_rows = [c[1] for c in calls if c[0] == "out_row"]
+  if blocks is None:
+    assert out_rows == ([None] * 3 if project else [1, 4, 8]) + [None] * (
+        3 if norm else 0), out_rows
   calls = [c for c in calls if c not in ("source", "norm")
-           and c[0] not in ("rows", "into", "pieces", "x_row")]
+           and c[0] not in ("rows", "into", "pieces", "x_row", "out_row")]
   merged = bool(project) and site_block == 4
   if blocks is None:
     # forward groups (0, 3), (3, 7), (7, 10); backward groups [2, 6), [0, 2)

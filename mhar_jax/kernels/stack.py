@@ -371,7 +371,8 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
   partials, partial_r = [None] * len(params), [None] * len(params)
   xs, lses, vjps, us = [], [], [], []
   partial = None
-  group = None     # (first site, len(done) then, outputs, log-sum-exps)
+  # (first site, len(done) then, outputs, log-sum-exps, row of the first's)
+  group = None
   # Groups routed on tensor cores read the finished sources from one buffer
   # (rows in ``done``'s order), filled in place as they appear; it is what
   # the backward gets (the list's arrays then die as the forward moves on).
@@ -400,29 +401,42 @@ def _forward(h, params, queries, gains, consts, fns, plan, save):
 
   def route_site(j):
     """Site j's output and log-sum-exp (two-phase within its group)."""
-    nonlocal group
+    nonlocal group, buf
     live, live_r = list(done), list(done_r)
     if partial is not None:
       live, live_r = live + [partial], live_r + [partial_r[j]]
     if j in group_end:
+      row = 0
       if j in on_tc and partial is None:      # live is done: buf's rows
         from mhar_jax.kernels import triton_stack
+        # Kept, the buffer has a row for each site's source to come (site
+        # k's first-phase result in row k + 1, until source k + 1 replaces
+        # it there): no [G, ..., D] result held until the group's last site
+        # (100m at 131k tokens: 1.25 GiB at the forward's end, the peak).
+        into = keep and group_end[j] < buf.shape[0]
         first = triton_stack.sites(
             buf, jnp.stack(live_r), len(live),
             t[j:group_end[j]].reshape(group_end[j] - j, -1),
-            plan.num_heads, plan.mesh, plan.batch_axes)
+            plan.num_heads, plan.mesh, plan.batch_axes,
+            out_row=j + 1 if into else None)
+        if into:
+          buf, row = first[0], j + 1
       else:
         first = _sites(live, t[j:group_end[j]], live_r, plan)
-      if group_end[j] == j + 1:
+      if group_end[j] == j + 1 and not row:
         group = None
         return first[0][0], first[1][0]
-      group = (j, len(live), *first)
-    a, n_old, outs, glse = group
+      group = (j, len(live), *first, row)
+    a, n_old, outs, glse, row = group
+    k = j - a + row
+    if row:        # the buffer as the sources written since have left it
+      outs = buf
     if len(live) == n_old:           # the group's first site: phase 1 is all
       # Its own arrays: a slice that XLA fuses into each reader (including
-      # the backward's) would keep the whole [G, ..., D] result alive.
-      return jax.lax.optimization_barrier((outs[j - a], glse[j - a]))
-    return _continue(outs, glse, j - a, live[n_old:], t[j], live_r[n_old:],
+      # the backward's) would keep the whole [G, ..., D] result alive (or
+      # read the buffer's row after a source replaced it: a copy).
+      return jax.lax.optimization_barrier((outs[k], glse[k]))
+    return _continue(outs, glse, k, live[n_old:], t[j], live_r[n_old:],
                      plan)
 
   for j, p in enumerate(params):

@@ -777,8 +777,8 @@ def _sites_store(out_ptr, lse_ptr, ooff, loff, mask, ca, cb, cbm, m, lsum,
 
 
 @triton.jit
-def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
-                 lse_ptr,
+def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, OUT_ROW,
+                 out_ptr, lse_ptr,
                  D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                  CA: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
                  SB: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
@@ -789,8 +789,9 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
 
   ``x_ptr [R, N, D]`` (R >= S rows of sources), ``r_ptr [S, N]`` fp32 inverse
   RMS, ``t_ptr [GV, D]`` fp32 queries * gains. Outputs ``out_ptr [GV, N, D]``
-  (the sources' dtype) and ``lse_ptr [GV, N, H]`` fp32 (``*_init``: unused,
-  as in ``triton_route._launch``)::
+  (the sources' dtype) and ``lse_ptr [GV, N, H]`` fp32, site g in row
+  ``OUT_ROW + g`` of each (``*_init``: unused, as in
+  ``triton_route._launch``)::
 
       logit[g, s] = r_s <t_g, x_s>_h      lse[g] = logsumexp_s logit[g, s]
       out[g]      = sum_s exp(logit[g, s] - lse[g]) x_s
@@ -840,8 +841,8 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, out_ptr,
   n64 = N + tl.zeros((), tl.int64)          # N may be specialised to 1
   nd = n64 * D
   srow = sb.to(tl.int64) * nd               # a block's rows, from its first
-  gout = g.to(tl.int64) * nd
-  glse = g.to(tl.int64) * n64 * H + h
+  gout = (OUT_ROW + g).to(tl.int64) * nd
+  glse = (OUT_ROW + g).to(tl.int64) * n64 * H + h
   # CAUSAL: site g's last source (rows >= GV are masked at the store).
   glast = S - GV + g
   m = tl.full((G,), float("-inf"), tl.float32)
@@ -874,7 +875,8 @@ def sites_supported(d: int, h: int, g: int) -> bool:
   return d % h == 0 and ca >= 16 and (cb == 0 or cb >= 16) and 1 <= g <= 64
 
 
-def sites_local(x, r, s: int, t, h: int, causal: bool = False):
+def sites_local(x, r, s: int, t, h: int, causal: bool = False,
+                out_row: int | None = None):
   """G sites over the first ``s`` rows of a source buffer, local arrays.
 
   ``x [R, N, D]`` (rows ``0 .. s-1`` are the sources), ``r [s, N]`` their
@@ -883,6 +885,11 @@ def sites_local(x, r, s: int, t, h: int, causal: bool = False):
   ``stack._sites`` computes them; ``causal``: site g reads only the rows
   ``0 .. s - G + g`` (G consecutive sites of the full method, the last
   reading all ``s``), as ``stack._sites_jnp(causal=True)``.
+
+  ``out_row``: the outputs go into rows ``out_row .. out_row + G - 1`` of
+  ``x`` itself (updated in place: the first output is ``x`` with those rows
+  written; rows at or past ``s``, e.g. a buffer's rows for sources not yet
+  made) and of an ``lse [R, N, H]`` (its other rows unwritten).
 
   ``x`` in ``float8_e4m3fn``: each row holds ``q = e4m3(source * r)``
   (``reference.quantize_rows``), and the sites route the sources ``q / r``
@@ -902,12 +909,22 @@ def sites_local(x, r, s: int, t, h: int, causal: bool = False):
     raise ValueError(f"sites_local: rows of dtype {x.dtype}; 8-bit rows must"
                      " be float8_e4m3fn (reference.quantize_rows).")
   out_dtype = jnp.bfloat16 if q8 else x.dtype
+  rows, carry = g, None
+  if out_row is not None:
+    if q8 or not s <= out_row <= x.shape[0] - g:
+      raise ValueError(
+          f"sites_local: out_row={out_row} for {g} sites over the first {s}"
+          f" of {x.shape[0]} rows; the outputs need rows of their own past"
+          f" the sources' (s <= out_row <= R - G) and 16- or 32-bit rows.")
+    rows, carry = x.shape[0], {0: 0}
   return _group_launch(
       "sites_local", sites_kernel, SITES_TUNING, [x, r.astype(jnp.float32), t],
-      [int(s), g, n], [jax.ShapeDtypeStruct((g, n, d), out_dtype),
-                       jax.ShapeDtypeStruct((g, n, h), jnp.float32)],
-      x.dtype, n, d, h, g, SB=sb, EVEN_S=s % sb == 0, CAUSAL=bool(causal),
-      SPLIT_P=bool(SITES_TUNING["split_weights"]), Q8=bool(q8))
+      [int(s), g, n, int(out_row or 0)],
+      [jax.ShapeDtypeStruct((rows, n, d), out_dtype),
+       jax.ShapeDtypeStruct((rows, n, h), jnp.float32)],
+      x.dtype, n, d, h, g, carry=carry, SB=sb, EVEN_S=s % sb == 0,
+      CAUSAL=bool(causal), SPLIT_P=bool(SITES_TUNING["split_weights"]),
+      Q8=bool(q8))
 
 
 def _group_launch(name, kernel, tu, inputs, scalars, out_shapes, dtype, n, d,
@@ -922,28 +939,34 @@ def _group_launch(name, kernel, tu, inputs, scalars, out_shapes, dtype, n, d,
   bt = int(tu["tokens_per_program"])
   c = d // h
   ca, cb = head_parts(c)
+  # the unused init pointers: an input no output aliases (passing an aliased
+  # buffer again would make XLA copy it)
+  dummy = next(x for i, x in enumerate(inputs)
+               if i not in (carry or {}).values())
   return tr._launch(
       kernel, inputs, scalars, out_shapes, grid=(triton.cdiv(n, bt), h),
       num_warps=int(tu["warps"]), carry=carry, poison=tr.POISON,
-      dummy=inputs[0], D=d,
+      dummy=dummy, D=d,
       H=h, C=c, CA=ca, CB=cb, G=max(16, 1 << (g - 1).bit_length()), BT=bt,
       STAGES=int(tu["stages"]), LOWP=dtype != jnp.float32, **meta)
 
 
 def sites(x, r, s: int, t, h: int, mesh=None, batch_axes=(),
-          causal: bool = False):
+          causal: bool = False, out_row: int | None = None):
   """:func:`sites_local` on ``x [R, tokens..., D]``, ``r [s, tokens...]``,
   under ``shard_map`` over the batch axes of ``mesh`` when given. Returns
-  ``(out [G, tokens..., D], lse [G, tokens..., H])``."""
+  ``(out [G, tokens..., D], lse [G, tokens..., H])``; ``out_row``: ``(x``
+  with rows ``out_row ..`` written``, lse [R, tokens..., H])``."""
   from jax.sharding import PartitionSpec as P
   lead = x.shape[1:-1]
 
   def local(x, r, t):
     loc = x.shape[1:-1]
     out, lse = sites_local(x.reshape(x.shape[0], -1, x.shape[-1]),
-                           r.reshape(r.shape[0], -1), s, t, h, causal)
-    return (out.reshape(t.shape[0], *loc, x.shape[-1]),
-            lse.reshape(t.shape[0], *loc, h))
+                           r.reshape(r.shape[0], -1), s, t, h, causal,
+                           out_row)
+    return (out.reshape(out.shape[0], *loc, x.shape[-1]),
+            lse.reshape(lse.shape[0], *loc, h))
 
   if mesh is None:
     return local(x, r, t)
