@@ -10,8 +10,6 @@ reference's worst error, whichever is larger (rounding compounds in deep stacks)
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,9 +38,10 @@ def rel(a, b):
   return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
 
 
-def _grads(h, params, queries, gains, cot, impl, heads, blocks, site_group):
+def _grads(h, params, queries, gains, cot, impl, heads, blocks, site_group,
+           apply=sublayer):
   def f(h, params, queries, gains):
-    out = routed_stack(h, params, sublayer, queries, gains,
+    out = routed_stack(h, params, apply, queries, gains,
                        jnp.asarray(1.3, jnp.float32), num_heads=heads,
                        impl=impl, blocks=blocks, site_group=site_group)
     return jnp.sum(out.astype(jnp.float32) * cot), out
@@ -50,21 +49,23 @@ def _grads(h, params, queries, gains, cot, impl, heads, blocks, site_group):
                                                           gains)
 
 
-# The reference's compile is shared by every test with its shapes (at 40
-# sites it takes about a minute); the kernels' is not: they read tunings
-# (e.g. ``ffi_launch``) that tests change at trace time.
-_reference_grads = jax.jit(_grads, static_argnums=(5, 6, 7, 8))
+# The reference's compile is shared by every test with its shapes and
+# sublayer (at 40 sites it takes about a minute; a bf16 case's fp32 run is
+# the fp32 case's); the kernels' is not: they read tunings (e.g.
+# ``ffi_launch``) that tests change at trace time.
+_reference_grads = jax.jit(_grads, static_argnums=(5, 6, 7, 8, 9))
 
 
 def grads(impl, h, params, queries, gains, cot, heads, blocks=None,
-          site_group=0):
-  """Gradients of ``sum(routed_stack(...) * cot)`` by ``impl`` (jitted)."""
+          site_group=0, apply=sublayer):
+  """Gradients of ``sum(routed_stack(h, params, apply, ...) * cot)`` by
+  ``impl`` (jitted)."""
   if impl == "reference":
     return _reference_grads(h, params, queries, gains, cot, impl, heads,
-                            blocks, site_group)
+                            blocks, site_group, apply)
   # a new function each call: traced afresh under the tunings of the moment
-  return jax.jit(lambda *a: _grads(*a, impl, heads, blocks, site_group))(
-      h, params, queries, gains, cot)
+  return jax.jit(lambda *a: _grads(*a, impl, heads, blocks, site_group,
+                                   apply))(h, params, queries, gains, cot)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -232,21 +233,6 @@ def normed_sublayer(j, p, x, consts):
   return sublayer(j, p, norm(j, p, x), consts)
 
 
-@functools.partial(jax.jit, static_argnums=(5, 6))
-def _reference_normed_grads(h, params, queries, gains, cot, heads, blocks):
-  """Gradients of ``sum(routed_stack(...) * cot)`` by the jnp reference
-  with the norm inside each sublayer. One compile per shape and dtype: a
-  bf16 case's fp32 run (``exact``) is the fp32 case's own (at 40 sites each
-  compile takes about a minute)."""
-  def f(h, params, queries, gains):
-    out = routed_stack(h, params, normed_sublayer, queries, gains,
-                       jnp.asarray(1.3, jnp.float32), num_heads=heads,
-                       impl="reference", blocks=blocks, site_group=0)
-    return jnp.sum(out.astype(jnp.float32) * cot), out
-  return jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True)(h, params, queries,
-                                                          gains)
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("d,heads,n_tok", [(1280, 8, 1000), (512, 8, 4099),
                                            (1024, 16, 77), (64, 4, 1000),
@@ -325,8 +311,8 @@ def test_triton_stack_recomputed_site_outputs(dtype, lead, d, heads, n,
 
   def run(h, impl):
     if impl == "reference":
-      return _reference_normed_grads(h, params, queries, gains, cot, heads,
-                                     blocks)
+      return grads("reference", h, params, queries, gains, cot, heads,
+                   blocks, 0, normed_sublayer)
     norm = SublayerRMSNorm(gain, 1e-6)
 
     def f(h, params, queries, gains):
