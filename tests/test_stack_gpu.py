@@ -366,7 +366,7 @@ def test_causal_sites_kernel_against_jnp(dtype, d, heads, gv, s):
                                           (64, 4, 4, 16)])
 def test_sites_kernel_8bit_rows_against_jnp(d, heads, gv, s, causal):
   """``sites_kernel`` over an 8-bit buffer (``reference.quantize_rows``:
-  rows ``e4m3(x r)``, widened to bf16 for the products; logits from ``q``,
+  rows ``e4m3(x r)``, widened to fp16 for the products; logits from ``q``,
   values ``q / r``) against ``stack._sites_jnp`` over the dequantized rows
   in fp32 at the highest matmul precision; rows past S hold other data;
   sources of RMS 1e-2 to 1e2; 1000 tokens; outputs poisoned first. bf16

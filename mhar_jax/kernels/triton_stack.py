@@ -703,7 +703,7 @@ def _sites_block(xp, rp, sm, cm, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m,
   """One block of SB sources at one token and head folded into G sites'
   online softmax ``(m, lsum, acca, accb)`` (``m`` -inf: a fresh start);
   SPLIT_P (with LOWP): the weights as two 16-bit terms in the sum. Q8: the
-  rows hold ``q = s r`` (8-bit rows widened to bf16, exactly): the logit is
+  rows hold ``q = s r`` (8-bit rows widened to fp16, exactly): the logit is
   ``<t, q>``, the value ``q / r`` (the weights divided by ``r``).
 
   ``xp`` points at the block's rows (``[SB]`` row pointers, the head's first
@@ -713,7 +713,7 @@ def _sites_block(xp, rp, sm, cm, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m,
   ``tb_*``/``accb`` are placeholders, returned as given."""
   xa = _load_tile(xp[:, None] + ca[None, :], sm[:, None], EVEN_S)
   if xa.dtype.is_fp8():
-    xa = xa.to(tl.bfloat16)
+    xa = xa.to(tl.float16)
   elif not LOWP:
     xa = xa.to(tl.float32)
   u = _dot2(ta_hi, ta_lo, tl.trans(xa), LOWP)
@@ -721,7 +721,7 @@ def _sites_block(xp, rp, sm, cm, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m,
     xb = _load_tile(xp[:, None] + CA + cb[None, :], sm[:, None] & cbm[None, :],
                     FULL_B)
     if xb.dtype.is_fp8():
-      xb = xb.to(tl.bfloat16)
+      xb = xb.to(tl.float16)
     elif not LOWP:
       xb = xb.to(tl.float32)
     u += _dot2(tb_hi, tb_lo, tl.trans(xb), LOWP)
@@ -800,7 +800,7 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, OUT_ROW,
   all S: consecutive sites of the full method, each reading one source more).
   Q8: ``x_ptr`` holds each source's 8-bit ``q = e4m3(x_s r_s)``, read as the
   normalized source (``logit = <t_g, q_s>_h``) and ``q_s / r_s`` (``out``);
-  products and ``out`` in bf16 (the 8-bit plan:
+  products in fp16, ``out`` in bf16 (the 8-bit plan:
   benchmarks/ROUTING_NOTES.md, session 37).
 
   Per token, ``[G, C] x [C, SB]`` then ``[G, SB] x [SB, C]`` products (G a
@@ -818,8 +818,8 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, OUT_ROW,
   tile = tl.program_id(0)
   h = tl.program_id(1)
   dt = x_ptr.dtype.element_ty
-  if dt.is_fp8():          # Q8's rows, widened to bf16 for the products
-    dt = tl.bfloat16
+  if dt.is_fp8():  # Q8's rows, widened to fp16 (exact; one conversion, where
+    dt = tl.float16  # bf16 takes three) for the products
   g = tl.arange(0, G)
   gm = g < GV
   ca = tl.arange(0, CA)
