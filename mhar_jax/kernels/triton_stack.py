@@ -695,10 +695,25 @@ def _flat_step(it, nb, tile, N, BT: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def _sites_block(xp, rp, sm, cm, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m,
-                 lsum, acca, accb, CA: tl.constexpr, CB: tl.constexpr,
+def _sites_tiles(xp, sm, ca, cb, cbm, CA: tl.constexpr, CB: tl.constexpr,
+                 EVEN_S: tl.constexpr, FULL_B: tl.constexpr):
+  """A block's source rows as loaded: ``(xa [SB, CA], xb [SB, CB])`` from the
+  row pointers ``xp [SB]`` (the head's first channel), rows where ``sm``
+  (zeros elsewhere); CB = 0: ``xb`` is ``xa`` (a placeholder)."""
+  xa = _load_tile(xp[:, None] + ca[None, :], sm[:, None], EVEN_S)
+  if CB > 0:
+    xb = _load_tile(xp[:, None] + CA + cb[None, :], sm[:, None] & cbm[None, :],
+                    FULL_B)
+  else:
+    xb = xa
+  return xa, xb
+
+
+@triton.jit
+def _sites_block(xa, xb, rp, sm, cm, ta_hi, ta_lo, tb_hi, tb_lo, m,
+                 lsum, acca, accb, CB: tl.constexpr,
                  LOWP: tl.constexpr, EVEN_S: tl.constexpr,
-                 FULL_B: tl.constexpr, CAUSAL: tl.constexpr,
+                 CAUSAL: tl.constexpr,
                  SPLIT_P: tl.constexpr, Q8: tl.constexpr):
   """One block of SB sources at one token and head folded into G sites'
   online softmax ``(m, lsum, acca, accb)`` (``m`` -inf: a fresh start);
@@ -706,20 +721,17 @@ def _sites_block(xp, rp, sm, cm, ta_hi, ta_lo, tb_hi, tb_lo, ca, cb, cbm, m,
   rows hold ``q = s r`` (8-bit rows widened to fp16, exactly): the logit is
   ``<t, q>``, the value ``q / r`` (the weights divided by ``r``).
 
-  ``xp`` points at the block's rows (``[SB]`` row pointers, the head's first
-  channel), ``rp`` at their inverse RMS, ``sm [SB]`` which sources exist,
+  ``xa``, ``xb``: the block's rows as :func:`_sites_tiles` loads them; ``rp``
+  points at their inverse RMS, ``sm [SB]`` says which sources exist,
   ``cm [G, SB]`` (CAUSAL) which of them each site reads;
   ``t*_hi``/``t*_lo [G, CA|CB]`` the queries (two terms when LOWP). CB = 0:
   ``tb_*``/``accb`` are placeholders, returned as given."""
-  xa = _load_tile(xp[:, None] + ca[None, :], sm[:, None], EVEN_S)
   if xa.dtype.is_fp8():
     xa = xa.to(tl.float16)
   elif not LOWP:
     xa = xa.to(tl.float32)
   u = _dot2(ta_hi, ta_lo, tl.trans(xa), LOWP)
   if CB > 0:
-    xb = _load_tile(xp[:, None] + CA + cb[None, :], sm[:, None] & cbm[None, :],
-                    FULL_B)
     if xb.dtype.is_fp8():
       xb = xb.to(tl.float16)
     elif not LOWP:
@@ -813,7 +825,9 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, OUT_ROW,
   exact fp32 products. EVEN_S: S is a multiple of SB (the source loop
   unmasked). One software-pipelined loop over (token, block) pairs, so the
   next token's first blocks load while this token's last ones are summed
-  (tokens past N redo token N - 1 unstored).
+  (tokens past N redo token N - 1 unstored). Q8: each step's rows are
+  loaded a step ahead into registers and widened there (Triton does not
+  copy 8-bit tiles ahead: their two products need two layouts).
   """
   tile = tl.program_id(0)
   h = tl.program_id(1)
@@ -850,15 +864,32 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, OUT_ROW,
   acca = tl.zeros((G, CA), tl.float32)
   accb = tl.zeros((G, CB if CB > 0 else CA), tl.float32)
   nb = tl.cdiv(S, SB)
-  for it in tl.range(0, BT * nb, num_stages=STAGES):
+  steps = BT * nb
+  if Q8:   # the next step's rows, loaded a step ahead into registers
+    s0, _, n = _flat_step(0, nb, tile, N, BT, SB)
+    xa_next, xb_next = _sites_tiles(x_ptr + s0 * nd + srow + n * D + h * C,
+                                    s0 + sb < S, ca, cb, cbm, CA, CB, EVEN_S,
+                                    FULL_B)
+  for it in tl.range(0, steps, num_stages=STAGES):
     s0, nn, n = _flat_step(it, nb, tile, N, BT, SB)
     row = n * D + h * C
+    sm = s0 + sb < S
+    if Q8:
+      xa = xa_next
+      xb = xb_next
+      s1, _, n1 = _flat_step(tl.minimum(it + 1, steps - 1), nb, tile, N, BT,
+                             SB)
+      xa_next, xb_next = _sites_tiles(x_ptr + s1 * nd + srow + n1 * D + h * C,
+                                      s1 + sb < S, ca, cb, cbm, CA, CB,
+                                      EVEN_S, FULL_B)
+    else:
+      xa, xb = _sites_tiles(x_ptr + s0 * nd + srow + row, sm, ca, cb, cbm,
+                            CA, CB, EVEN_S, FULL_B)
     m = tl.where(s0 == 0, float("-inf"), m)
     m, lsum, acca, accb = _sites_block(
-        x_ptr + s0 * nd + srow + row, r_ptr + (s0 + sb) * n64 + n,
-        s0 + sb < S, (s0 + sb)[None, :] <= glast[:, None], ta_hi, ta_lo,
-        tb_hi, tb_lo, ca, cb, cbm, m, lsum, acca, accb, CA, CB, LOWP, EVEN_S,
-        FULL_B, CAUSAL, SPLIT_P, Q8)
+        xa, xb, r_ptr + (s0 + sb) * n64 + n, sm,
+        (s0 + sb)[None, :] <= glast[:, None], ta_hi, ta_lo, tb_hi, tb_lo, m,
+        lsum, acca, accb, CB, LOWP, EVEN_S, CAUSAL, SPLIT_P, Q8)
     if s0 + SB >= S:
       _sites_store(out_ptr, lse_ptr, gout + row, glse + n * H,
                    tl.where(nn < N, gm, False), ca, cb, cbm, m, lsum, acca,
