@@ -7,8 +7,14 @@
 #   mkdir -p .whl && cp ../shared/wheels/gpu-py312/{jax_triton,ml_collections}-*.whl .whl/
 # and name `.whl` in the run's `carry`.
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --upgrade --target /tmp/site .whl/*.whl || return 1
+  # Once per machine and set of wheels; scripts sourcing this side by side
+  # wait on the lock instead of racing in /tmp/site.
+  (command -v flock >/dev/null && flock 9
+   stamp=$(ls .whl/*.whl | md5sum | cut -d' ' -f1)
+   [[ -f /tmp/site/.stamp && $(cat /tmp/site/.stamp) == "$stamp" ]] || {
+     python3 -m pip install -q --no-index --no-deps --no-compile \
+       --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+     echo "$stamp" > /tmp/site/.stamp; }) 9>/tmp/site.lock || return 1
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 else
   echo "gpu_env.sh: no wheels in .whl/ (jax_triton will be missing)" >&2
