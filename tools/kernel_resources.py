@@ -159,9 +159,8 @@ def main(argv=None):
   ap.add_argument("--kernels",
                   default="fwd,fwd_r,cpass,cpass_r,bwd,bwd_r,source_grad",
                   help="of fwd, fwd_r, cpass, cpass_r, bwd, bwd_r, "
-                  "source_grad, source_grad_init, sites, sites_q8 (over 8-bit rows), "
-                  "sources, "
-                  "sources_4buffers, "
+                  "source_grad, source_grad_init, sites, sites_q8 (over "
+                  "8-bit rows), sources, sources_4buffers, "
                   "query_gain_grad, norm_grad")
   ap.add_argument("--source_grad_tuning", default="",
                   help="JSON dict merged into triton_stack.TUNING")
