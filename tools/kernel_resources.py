@@ -62,7 +62,7 @@ BF16 = {"fwd": SLOTS("s") | {"out_ptr", "i_out"},
         "norm_grad": {"x_ptr", "dy_ptr", "buf_in", "buf_ptr"}}
 SCALARS = {"N", "I0", "NTILES", "I", "M", "S", "GV", "J0", "IX", "IS", "IA",
            "JX", "K", "SK", "SM", "SH", "KC", "ROW", "MP", "JX1", "JX2", "JX3",
-           "K1", "K2", "K3", "OUT_ROW"}
+           "K1", "K2", "K3", "OUT_ROW", "X_ROW"}
 # Pointer arguments in float8_e4m3fn (the sites kernel's 8-bit rows).
 FP8 = {"x_ptr"}
 
