@@ -20,6 +20,10 @@
 #   q8       the sites kernel over an 8-bit buffer (not yet used by the stack)
 # Each part's verbose output goes to $OUT/gpu-tests-PART.txt (so a part cut
 # by its timeout still says which cases passed); its last lines are printed.
+# Durations on an H100 (session 38; compiles dominate): f32 185 s alone; bf16
+# 306 s and outputs 280 s side by side; share 177 s and causal 88 s beside
+# two others; q8 25 s; ffi over 215 s alone (its 40-site bf16 case last):
+# give ffi, bf16 and outputs PART_TIMEOUT=330 each.
 set -uo pipefail
 source benchmarks/gpu_env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
