@@ -71,6 +71,15 @@ def main():
   copy_gbs = max(v for v in cb.values() if isinstance(v, float))
   print(f"{jax.devices()[0].device_kind}: copy {copy_gbs:.0f} GB/s; D={a.d} "
         f"H={a.h} G={a.sites} bf16", flush=True)
+
+  def errors(out, lse, want, want_lse, m):
+    """(max |out - want| / max |want|, max |lse - want_lse|) over the first
+    ``m`` tokens."""
+    want = want.astype(jnp.float32)
+    return (float(jnp.max(jnp.abs(out[:, :m].astype(jnp.float32) - want))
+                  / jnp.max(jnp.abs(want))),
+            float(jnp.max(jnp.abs(lse[:, :m] - want_lse))))
+
   rows = []
   default_block = triton_stack.SITES_TUNING["source_block"]
   default_split = triton_stack.SITES_TUNING["split_weights"]
@@ -117,11 +126,7 @@ def main():
                                        split_weights=split)
       fn = jax.jit(lambda x, r, t: triton_stack.sites_local(x, r, s, t, a.h))
       try:
-        out, lse = fn(x, r, t)
-        err = float(jnp.max(jnp.abs(out[:, :m].astype(jnp.float32)
-                                    - want.astype(jnp.float32)))
-                    / jnp.max(jnp.abs(want.astype(jnp.float32))))
-        lerr = float(jnp.max(jnp.abs(lse[:, :m] - want_lse)))
+        err, lerr = errors(*fn(x, r, t), want, want_lse, m)
         ms, _, _ = _median_ms(fn, (x, r, t))
       except Exception as ex:  # noqa: BLE001
         print(f"  {n}x{s} {cfg_s}: ERROR {ex!r}"[:400], flush=True)
@@ -133,10 +138,7 @@ def main():
             f"(S + G arrays), out rel err {err:.1e}, lse abs err {lerr:.1e}",
             flush=True)
       if a.q8:
-        out8, lse8 = fn(q, r, t)
-        err8 = float(jnp.max(jnp.abs(out8[:, :m].astype(jnp.float32) - want8))
-                     / jnp.max(jnp.abs(want8)))
-        lerr8 = float(jnp.max(jnp.abs(lse8[:, :m] - want8_lse)))
+        err8, lerr8 = errors(*fn(q, r, t), want8, want8_lse, m)
         ms8, _, _ = _median_ms(fn, (q, r, t))
         res[f"8-bit rows {cfg_s}"] = ms8
         print(f"  {n}x{s} 8-bit rows {cfg_s}: {ms8:.3f} ms "

@@ -865,11 +865,11 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, OUT_ROW,
   accb = tl.zeros((G, CB if CB > 0 else CA), tl.float32)
   nb = tl.cdiv(S, SB)
   steps = BT * nb
+  xh = x_ptr + srow + h * C     # a block's rows at head h's first channel
   if Q8:   # the next step's rows, loaded a step ahead into registers
     s0, _, n = _flat_step(0, nb, tile, N, BT, SB)
-    xa_next, xb_next = _sites_tiles(x_ptr + s0 * nd + srow + n * D + h * C,
-                                    s0 + sb < S, ca, cb, cbm, CA, CB, EVEN_S,
-                                    FULL_B)
+    xa_next, xb_next = _sites_tiles(xh + s0 * nd + n * D, s0 + sb < S, ca, cb,
+                                    cbm, CA, CB, EVEN_S, FULL_B)
   for it in tl.range(0, steps, num_stages=STAGES):
     s0, nn, n = _flat_step(it, nb, tile, N, BT, SB)
     row = n * D + h * C
@@ -879,12 +879,11 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, OUT_ROW,
       xb = xb_next
       s1, _, n1 = _flat_step(tl.minimum(it + 1, steps - 1), nb, tile, N, BT,
                              SB)
-      xa_next, xb_next = _sites_tiles(x_ptr + s1 * nd + srow + n1 * D + h * C,
-                                      s1 + sb < S, ca, cb, cbm, CA, CB,
-                                      EVEN_S, FULL_B)
+      xa_next, xb_next = _sites_tiles(xh + s1 * nd + n1 * D, s1 + sb < S, ca,
+                                      cb, cbm, CA, CB, EVEN_S, FULL_B)
     else:
-      xa, xb = _sites_tiles(x_ptr + s0 * nd + srow + row, sm, ca, cb, cbm,
-                            CA, CB, EVEN_S, FULL_B)
+      xa, xb = _sites_tiles(xh + s0 * nd + n * D, sm, ca, cb, cbm, CA, CB,
+                            EVEN_S, FULL_B)
     m = tl.where(s0 == 0, float("-inf"), m)
     m, lsum, acca, accb = _sites_block(
         xa, xb, r_ptr + (s0 + sb) * n64 + n, sm,
