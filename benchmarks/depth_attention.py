@@ -2,7 +2,6 @@
 
     python3 benchmarks/depth_attention.py --sizes 32768x37 --sites 16
     python3 benchmarks/depth_attention.py --configs 16x1x3,16x1x3x16x1
-    python3 benchmarks/depth_attention.py --configs 16x1x3 --q8
 
 Routing G sites over the same S sources is, per token and head, attention
 with the G queries ``t_g`` (``[G, C]``) and the sources as keys and values
@@ -20,13 +19,6 @@ library's kernel for it (``triton_stack.sites``, the first phase of
 inputs (all given the inverse RMS), each checked against the jnp reference
 (on the first ``--check_tokens`` tokens: its fp32 copy of the sources is what
 runs out of memory at S = 73).
-
-``--q8`` also times each config over an 8-bit buffer of the same sources
-(``reference.quantize_rows``: ``e4m3(x r)``, read as ``q`` for the logits and
-``q / r`` for the values), checked against the jnp routing of the dequantized
-rows; its bandwidth counts S one-byte rows and G bf16 outputs, and the ratio to
-the bf16 buffer's time is what 8-bit sources would save this kernel (the
-8-bit plan, ROUTING_NOTES.md session 37).
 
 Precision: the queries enter the first product as two bf16 terms (hi + lo,
 ~16 mantissa bits, like fp32 logits to ~1e-5); the weights enter the second
@@ -56,8 +48,6 @@ def main():
                   help="tokens a program x warps x pipeline stages [x "
                   "sources a block [x split weights, 0 or 1]] of "
                   "triton_stack.sites_kernel")
-  ap.add_argument("--q8", action="store_true",
-                  help="also time each config over an 8-bit buffer")
   ap.add_argument("--check_tokens", type=int, default=4096,
                   help="the jnp reference checks the first this many tokens"
                   " (its fp32 copy of all S rows needs 4 S N D bytes)")
@@ -87,7 +77,8 @@ def main():
     n, s = map(int, size.split("x"))
     ks = jax.random.split(jax.random.key(s), 3)
     x = (jax.random.normal(ks[0], (s, n, a.d)) * 1.3).astype(jnp.bfloat16)
-    r = reference.inv_rms(x, 1e-6)
+    # row by row: an fp32 copy of all S rows (4 S N D bytes) need not fit
+    r = jax.lax.map(lambda v: reference.inv_rms(v, 1e-6), x)
     t = 0.5 * jax.random.normal(ks[1], (a.sites, a.d)) / (a.d / a.h) ** 0.5
     srcs = [x[i] for i in range(s)]
     rs = [r[i] for i in range(s)]
@@ -103,13 +94,6 @@ def main():
     lib_1 = jax.jit(lambda srcs, t, rs: [triton_route._fwd_impl(
         tuple(srcs), t[k:k + 1], cfg, rs=tuple(rs)) for k in range(a.sites)])
     nbytes = (s + a.sites) * n * a.d * 2
-    if a.q8:
-      q, _ = reference.quantize_rows(x, 1e-6)
-      with jax.default_matmul_precision("highest"):
-        want8, want8_lse = jax.jit(lambda q, t, r: stack._sites_jnp(
-            reference.dequantize_rows(q[:, :m], r[:, :m]),
-            t.reshape(a.sites, a.h, -1), r[:, :m], a.h))(q, t, r)
-      nbytes8 = (s + 2 * a.sites) * n * a.d
     res = {}
     for name, fn, args in (
         ("library, G-site launch", lib_g, (srcs, t, rs)),
@@ -137,15 +121,6 @@ def main():
             f"{100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs:.1f}% of copy "
             f"(S + G arrays), out rel err {err:.1e}, lse abs err {lerr:.1e}",
             flush=True)
-      if a.q8:
-        err8, lerr8 = errors(*fn(q, r, t), want8, want8_lse, m)
-        ms8, _, _ = _median_ms(fn, (q, r, t))
-        res[f"8-bit rows {cfg_s}"] = ms8
-        print(f"  {n}x{s} 8-bit rows {cfg_s}: {ms8:.3f} ms "
-              f"({ms8 / ms:.3f}x the bf16 buffer's), "
-              f"{100 * nbytes8 / (ms8 * 1e-3) / 1e9 / copy_gbs:.1f}% of copy "
-              f"(S bytes + 2 G), out rel err {err8:.1e}, "
-              f"lse abs err {lerr8:.1e}", flush=True)
     for k, v in res.items():
       print(f"{n}x{s} G={a.sites}: {k:28s} {v:8.3f} ms", flush=True)
     rows.append(dict(n=n, s=s, g=a.sites, ms=res))

@@ -17,12 +17,11 @@
 #            with no site recomputed (every norm's gradient by the kernel)
 #   route    tests/test_triton_route.py (route() alone)
 #   split    the sites kernel's weights as two terms (default) and one (bf16 lead9)
-#   q8       the sites kernel over an 8-bit buffer (not yet used by the stack)
 # Each part's verbose output goes to $OUT/gpu-tests-PART.txt (so a part cut
 # by its timeout still says which cases passed); its last lines are printed.
 # Durations on an H100 (session 38; compiles dominate): f32 185 s alone; bf16
 # 306 s and outputs 280 s side by side; share 177 s and causal 88 s beside
-# two others; q8 25 s; ffi over 215 s alone (its 40-site bf16 case last):
+# two others; ffi over 215 s alone (its 40-site bf16 case last):
 # give ffi, bf16 and outputs PART_TIMEOUT=330 each.
 set -uo pipefail
 source benchmarks/gpu_env.sh || exit 1
@@ -36,15 +35,14 @@ declare -A SEL=(
   [outputs]="recomputed_site_outputs and not below"
   [share]="recomputed_site_outputs and below and not below0" [causal]="causal_sites"
   [norm]="norm_grad_kernel or below0"
-  [split]="split_weights or (matches_reference and bfloat16 and lead9)"
-  [q8]="8bit_rows")
-for part in ${@:-ffi kernels f32 bf16 rms decoder route outputs share causal norm q8}; do
+  [split]="split_weights or (matches_reference and bfloat16 and lead9)")
+for part in ${@:-ffi kernels f32 bf16 rms decoder route outputs share causal norm}; do
   if [[ $part == route ]]; then
     args=(tests/test_triton_route.py)
   elif [[ -n ${SEL[$part]:-} ]]; then
     args=(tests/test_stack_gpu.py -k "${SEL[$part]}")
   else
-    echo "gpu_tests.sh: no part '$part' (ffi kernels f32 bf16 rms decoder route outputs share causal norm split q8)"
+    echo "gpu_tests.sh: no part '$part' (ffi kernels f32 bf16 rms decoder route outputs share causal norm split)"
     exit 2
   fi
   timeout "$TIMEOUT" python3 -m pytest -o addopts="" -v --tb=short -rP \

@@ -593,39 +593,6 @@ def test_sites_kernel_16bit_launch(kernel_module, monkeypatch, split_weights):
   np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("n,d,h,rows,s,g,causal", [
-    (5, 320, 2, 22, 19, 16, False),   # C = 160 = 128 + 32; a ragged block
-    (3, 64, 4, 40, 32, 9, True)])     # causal, whole blocks
-def test_sites_kernel_8bit_rows(kernel_module, monkeypatch, n, d, h, rows, s,
-                                g, causal):
-  """``sites_kernel`` over an 8-bit buffer (rows ``q = e4m3(x r)``): the
-  logits from ``q``, the values ``q / r`` (weights divided by ``r``, rows past
-  S masked), bf16 out, against ``stack._sites_jnp`` over
-  ``reference.dequantize_rows(q, r)`` in fp32. The rows hold other data past
-  S (as a buffer's higher rows do) and the sources span 1e-2 to 1e2 in RMS:
-  8-bit rows keep each token's own scale."""
-  ts = kernel_module
-  rng = np.random.default_rng(n + d + s)
-  scale = 10.0 ** rng.uniform(-2, 2, size=(rows, n, 1))
-  x = jnp.asarray(rng.normal(size=(rows, n, d)) * scale, jnp.float32)
-  q, r = reference.quantize_rows(x, 1e-6)
-  assert q.dtype == jnp.float8_e4m3fn
-  t = jnp.asarray(0.5 * rng.normal(size=(g, d)) / np.sqrt(d / h), jnp.float32)
-  want, want_lse = stack._sites_jnp(reference.dequantize_rows(q[:s], r[:s]),
-                                    t.reshape(g, h, -1), r[:s], h, causal)
-  monkeypatch.setattr(ts.tr, "_launch", interpreted_launch)
-  monkeypatch.setitem(ts.SITES_TUNING, "tokens_per_program", 2)
-  out, lse = ts.sites_local(q, r[:s], s, t, h, causal)
-  assert out.dtype == jnp.bfloat16 and out.shape == (g, n, d)
-  # bf16 outputs: to their rounding, relative to each token's scale
-  err = np.abs(np.asarray(out, np.float32) - np.asarray(want))
-  tok = np.abs(np.asarray(want)).max(axis=(0, 2), keepdims=True)
-  assert (err <= 1e-2 * tok).all(), float((err / tok).max())
-  np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
-  with pytest.raises(ValueError, match="float8_e4m3fn"):
-    ts.sites_local(q.astype(jnp.float8_e5m2), r[:s], s, t, h, causal)
-
-
 def test_sites_supported(kernel_module):
   ok = kernel_module.sites_supported
   assert ok(1280, 8, 16) and ok(1024, 8, 9)

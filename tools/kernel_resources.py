@@ -63,13 +63,10 @@ BF16 = {"fwd": SLOTS("s") | {"out_ptr", "i_out"},
 SCALARS = {"N", "I0", "NTILES", "I", "M", "S", "GV", "J0", "IX", "IS", "IA",
            "JX", "K", "SK", "SM", "SH", "KC", "ROW", "MP", "JX1", "JX2", "JX3",
            "K1", "K2", "K3", "OUT_ROW", "X_ROW"}
-# Pointer arguments in float8_e4m3fn (the sites kernel's 8-bit rows).
-FP8 = {"x_ptr"}
 
 
-def compile_kernel(fn, bf16, constexprs, warps, fp8=False):
-  """``fn`` compiled for sm_90: ``(CompiledKernel, resource line)``; ``fp8``:
-  the pointers in :data:`FP8` as float8_e4m3fn."""
+def compile_kernel(fn, bf16, constexprs, warps):
+  """``fn`` compiled for sm_90: ``(CompiledKernel, resource line)``."""
   names = list(fn.arg_names)
   sig, attrs = {}, {}
   for i, n in enumerate(names):
@@ -78,8 +75,7 @@ def compile_kernel(fn, bf16, constexprs, warps, fp8=False):
     elif n in SCALARS:
       sig[n] = "i32"
     else:
-      sig[n] = ("*fp8e4nv" if fp8 and n in FP8 else
-                "*bf16" if n in bf16 else "*fp32")
+      sig[n] = "*bf16" if n in bf16 else "*fp32"
       attrs[(i,)] = [["tt.divisibility", 16]]
   src = ASTSource(fn, sig, attrs=attrs, constexprs={
       (names.index(c),): v for c, v in constexprs.items()})
@@ -159,8 +155,8 @@ def main(argv=None):
   ap.add_argument("--kernels",
                   default="fwd,fwd_r,cpass,cpass_r,bwd,bwd_r,source_grad",
                   help="of fwd, fwd_r, cpass, cpass_r, bwd, bwd_r, "
-                  "source_grad, source_grad_init, sites, sites_q8 (over "
-                  "8-bit rows), sources, sources_4buffers, "
+                  "source_grad, source_grad_init, sites, sources, "
+                  "sources_4buffers, "
                   "query_gain_grad, norm_grad")
   ap.add_argument("--source_grad_tuning", default="",
                   help="JSON dict merged into triton_stack.TUNING")
@@ -233,12 +229,10 @@ def main(argv=None):
       meta, BN=ts.norm_grad_programs(1 << 20, a.d, a.h)[0],
       STAGES=ts.NORM_TUNING["stages"]))
   tu = ts.SITES_TUNING
-  for name, q8 in (("sites", False), ("sites_q8", True)):
-    runs[name] = (ts.sites_kernel, {"x_ptr", "out_ptr"}, dict(
-        tr.tile_meta(a.d, a.h), G=16, SB=tu["source_block"],
-        BT=tu["tokens_per_program"], STAGES=tu["stages"], LOWP=True,
-        EVEN_S=a.even_sites, CAUSAL=False, SPLIT_P=tu["split_weights"],
-        Q8=q8))
+  runs["sites"] = (ts.sites_kernel, {"x_ptr", "out_ptr"}, dict(
+      tr.tile_meta(a.d, a.h), G=16, SB=tu["source_block"],
+      BT=tu["tokens_per_program"], STAGES=tu["stages"], LOWP=True,
+      EVEN_S=a.even_sites, CAUSAL=False, SPLIT_P=tu["split_weights"]))
   tu = ts.SOURCES_TUNING
   for name, nx in (("sources", 1), ("sources_4buffers", ts.SOURCES_BUFFERS)):
     runs[name] = (ts.sources_kernel, {"s_ptr", "dx_ptr", "dx1_ptr", "dx2_ptr",
@@ -255,7 +249,6 @@ def main(argv=None):
     warps = {"source_grad": ts.TUNING["warps"],
              "source_grad_init": ts.TUNING["warps"],
              "sites": ts.SITES_TUNING["warps"],
-             "sites_q8": ts.SITES_TUNING["warps"],
              "sources": ts.SOURCES_TUNING["warps"],
              "sources_4buffers": ts.SOURCES_TUNING["warps"],
              "query_gain_grad": qgrad_warps,
@@ -263,8 +256,7 @@ def main(argv=None):
     cons = {k: v for k, v in cons.items() if k in fn.arg_names}
     if a.ones:
       cons.update({k: 1 for k in fn.arg_names if k in SCALARS})
-    rows.append(report(name, *compile_kernel(fn, bf16, cons, warps,
-                                             fp8=name == "sites_q8"), warps,
+    rows.append(report(name, *compile_kernel(fn, bf16, cons, warps), warps,
                        a.opcodes))
     print(json.dumps(rows[-1]), flush=True)
   return rows

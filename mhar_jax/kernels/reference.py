@@ -90,22 +90,6 @@ def inv_rms(s: jax.Array, eps: float) -> jax.Array:
   return jax.lax.rsqrt(jnp.mean(s * s, axis=-1) + eps)
 
 
-def quantize_rows(s: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
-  """``s [..., D]`` as 8-bit routing reads it: ``(q [..., D] float8_e4m3fn,
-  r [...] float32)`` with ``r = inv_rms(s)`` and ``q = e4m3(s * r)`` (round
-  to nearest; ``|s r| <= sqrt(D)``, far inside e4m3's range). The routing
-  reads ``q`` as the normalized source and ``q / r`` as its value
-  (:func:`dequantize_rows`)."""
-  r = inv_rms(s, eps)
-  return (s.astype(jnp.float32) * r[..., None]).astype(jnp.float8_e4m3fn), r
-
-
-def dequantize_rows(q: jax.Array, r: jax.Array) -> jax.Array:
-  """``q / r`` in float32: the value an 8-bit row stands for
-  (:func:`quantize_rows`)."""
-  return q.astype(jnp.float32) / r[..., None]
-
-
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   """``[..., D] -> [..., D]``: ``x * rsqrt(mean(x^2) + eps) * scale``,
   float32 math, ``x``'s dtype out."""

@@ -713,35 +713,24 @@ def _sites_tiles(xp, sm, ca, cb, cbm, CA: tl.constexpr, CB: tl.constexpr,
 def _sites_block(xa, xb, rp, sm, cm, ta_hi, ta_lo, tb_hi, tb_lo, m,
                  lsum, acca, accb, CB: tl.constexpr,
                  LOWP: tl.constexpr, EVEN_S: tl.constexpr,
-                 CAUSAL: tl.constexpr,
-                 SPLIT_P: tl.constexpr, Q8: tl.constexpr):
+                 CAUSAL: tl.constexpr, SPLIT_P: tl.constexpr):
   """One block of SB sources at one token and head folded into G sites'
   online softmax ``(m, lsum, acca, accb)`` (``m`` -inf: a fresh start);
-  SPLIT_P (with LOWP): the weights as two 16-bit terms in the sum. Q8: the
-  rows hold ``q = s r`` (8-bit rows widened to fp16, exactly): the logit is
-  ``<t, q>``, the value ``q / r`` (the weights divided by ``r``).
+  SPLIT_P (with LOWP): the weights as two 16-bit terms in the sum.
 
   ``xa``, ``xb``: the block's rows as :func:`_sites_tiles` loads them; ``rp``
   points at their inverse RMS, ``sm [SB]`` says which sources exist,
   ``cm [G, SB]`` (CAUSAL) which of them each site reads;
   ``t*_hi``/``t*_lo [G, CA|CB]`` the queries (two terms when LOWP). CB = 0:
   ``tb_*``/``accb`` are placeholders, returned as given."""
-  if xa.dtype.is_fp8():
-    xa = xa.to(tl.float16)
-  elif not LOWP:
+  if not LOWP:
     xa = xa.to(tl.float32)
   u = _dot2(ta_hi, ta_lo, tl.trans(xa), LOWP)
   if CB > 0:
-    if xb.dtype.is_fp8():
-      xb = xb.to(tl.float16)
-    elif not LOWP:
+    if not LOWP:
       xb = xb.to(tl.float32)
     u += _dot2(tb_hi, tb_lo, tl.trans(xb), LOWP)
-  rs = _load_tile(rp, sm, EVEN_S)
-  if Q8:
-    logit = u
-  else:
-    logit = u * rs[None, :]
+  logit = u * _load_tile(rp, sm, EVEN_S)[None, :]
   if CAUSAL:
     logit = tl.where(cm & sm[None, :], logit, float("-inf"))
   elif not EVEN_S:
@@ -750,13 +739,9 @@ def _sites_block(xa, xb, rp, sm, cm, ta_hi, ta_lo, tb_hi, tb_lo, m,
   alpha = tl.exp(m - m_new)                  # 0 on a fresh start
   p = tl.exp(logit - m_new[:, None])
   lsum = lsum * alpha + tl.sum(p, axis=1)
-  if Q8:                         # rows past S: p 0 (and r read as 0)
-    pv = p / tl.where(sm, rs, 1.0)[None, :]
-  else:
-    pv = p
-  acca = acca * alpha[:, None] + _weighted(pv, xa, LOWP, SPLIT_P)
+  acca = acca * alpha[:, None] + _weighted(p, xa, LOWP, SPLIT_P)
   if CB > 0:
-    accb = accb * alpha[:, None] + _weighted(pv, xb, LOWP, SPLIT_P)
+    accb = accb * alpha[:, None] + _weighted(p, xb, LOWP, SPLIT_P)
   return m_new, lsum, acca, accb
 
 
@@ -795,8 +780,7 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, OUT_ROW,
                  CA: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
                  SB: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr,
                  LOWP: tl.constexpr, EVEN_S: tl.constexpr,
-                 CAUSAL: tl.constexpr, SPLIT_P: tl.constexpr,
-                 Q8: tl.constexpr):
+                 CAUSAL: tl.constexpr, SPLIT_P: tl.constexpr):
   """BT tokens of head ``program_id(1)``: GV sites over the first S sources.
 
   ``x_ptr [R, N, D]`` (R >= S rows of sources), ``r_ptr [S, N]`` fp32 inverse
@@ -810,10 +794,6 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, OUT_ROW,
 
   CAUSAL: site g reads only the sources ``s <= S - GV + g`` (the last site
   all S: consecutive sites of the full method, each reading one source more).
-  Q8: ``x_ptr`` holds each source's 8-bit ``q = e4m3(x_s r_s)``, read as the
-  normalized source (``logit = <t_g, q_s>_h``) and ``q_s / r_s`` (``out``);
-  products in fp16, ``out`` in bf16 (the 8-bit plan:
-  benchmarks/ROUTING_NOTES.md, session 37).
 
   Per token, ``[G, C] x [C, SB]`` then ``[G, SB] x [SB, C]`` products (G a
   power of two >= 16 >= GV; rows >= GV are masked) with an online softmax over
@@ -825,15 +805,11 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, OUT_ROW,
   exact fp32 products. EVEN_S: S is a multiple of SB (the source loop
   unmasked). One software-pipelined loop over (token, block) pairs, so the
   next token's first blocks load while this token's last ones are summed
-  (tokens past N redo token N - 1 unstored). Q8: each step's rows are
-  loaded a step ahead into registers and widened there (Triton does not
-  copy 8-bit tiles ahead: their two products need two layouts).
+  (tokens past N redo token N - 1 unstored).
   """
   tile = tl.program_id(0)
   h = tl.program_id(1)
   dt = x_ptr.dtype.element_ty
-  if dt.is_fp8():  # Q8's rows, widened to fp16 (exact; one conversion, where
-    dt = tl.float16  # bf16 takes three) for the products
   g = tl.arange(0, G)
   gm = g < GV
   ca = tl.arange(0, CA)
@@ -866,33 +842,21 @@ def sites_kernel(x_ptr, r_ptr, t_ptr, out_init, lse_init, S, GV, N, OUT_ROW,
   nb = tl.cdiv(S, SB)
   steps = BT * nb
   xh = x_ptr + srow + h * C     # a block's rows at head h's first channel
-  if Q8:   # the next step's rows, loaded a step ahead into registers
-    s0, _, n = _flat_step(0, nb, tile, N, BT, SB)
-    xa_next, xb_next = _sites_tiles(xh + s0 * nd + n * D, s0 + sb < S, ca, cb,
-                                    cbm, CA, CB, EVEN_S, FULL_B)
   for it in tl.range(0, steps, num_stages=STAGES):
     s0, nn, n = _flat_step(it, nb, tile, N, BT, SB)
     row = n * D + h * C
     sm = s0 + sb < S
-    if Q8:
-      xa = xa_next
-      xb = xb_next
-      s1, _, n1 = _flat_step(tl.minimum(it + 1, steps - 1), nb, tile, N, BT,
-                             SB)
-      xa_next, xb_next = _sites_tiles(xh + s1 * nd + n1 * D, s1 + sb < S, ca,
-                                      cb, cbm, CA, CB, EVEN_S, FULL_B)
-    else:
-      xa, xb = _sites_tiles(xh + s0 * nd + n * D, sm, ca, cb, cbm, CA, CB,
-                            EVEN_S, FULL_B)
+    xa, xb = _sites_tiles(xh + s0 * nd + n * D, sm, ca, cb, cbm, CA, CB, EVEN_S,
+                          FULL_B)
     m = tl.where(s0 == 0, float("-inf"), m)
     m, lsum, acca, accb = _sites_block(
         xa, xb, r_ptr + (s0 + sb) * n64 + n, sm,
         (s0 + sb)[None, :] <= glast[:, None], ta_hi, ta_lo, tb_hi, tb_lo, m,
-        lsum, acca, accb, CB, LOWP, EVEN_S, CAUSAL, SPLIT_P, Q8)
+        lsum, acca, accb, CB, LOWP, EVEN_S, CAUSAL, SPLIT_P)
     if s0 + SB >= S:
       _sites_store(out_ptr, lse_ptr, gout + row, glse + n * H,
                    tl.where(nn < N, gm, False), ca, cb, cbm, m, lsum, acca,
-                   accb, out_ptr.dtype.element_ty, CA, CB)
+                   accb, dt, CA, CB)
 
 
 def sites_supported(d: int, h: int, g: int) -> bool:
@@ -920,12 +884,6 @@ def sites_local(x, r, s: int, t, h: int, causal: bool = False,
   ``x`` itself (updated in place: the first output is ``x`` with those rows
   written; rows at or past ``s``, e.g. a buffer's rows for sources not yet
   made) and of an ``lse [R, N, H]`` (its other rows unwritten).
-
-  ``x`` in ``float8_e4m3fn``: each row holds ``q = e4m3(source * r)``
-  (``reference.quantize_rows``), and the sites route the sources ``q / r``
-  with the same ``r``: ``stack._sites_jnp`` over
-  ``reference.dequantize_rows(q, r)``; ``out`` in bfloat16. Not yet used by
-  the stack (the 8-bit plan, benchmarks/ROUTING_NOTES.md, session 37).
   """
   _, n, d = x.shape
   g = t.shape[0]
@@ -934,27 +892,21 @@ def sites_local(x, r, s: int, t, h: int, causal: bool = False,
     raise ValueError(f"sites_local: {g} causal sites over {s} rows; the"
                      " first site must read at least one row (G <= s).")
   t = t.astype(jnp.float32)
-  q8 = x.dtype == jnp.float8_e4m3fn
-  if x.dtype.itemsize == 1 and not q8:
-    raise ValueError(f"sites_local: rows of dtype {x.dtype}; 8-bit rows must"
-                     " be float8_e4m3fn (reference.quantize_rows).")
-  out_dtype = jnp.bfloat16 if q8 else x.dtype
   rows, carry = g, None
   if out_row is not None:
-    if q8 or not s <= out_row <= x.shape[0] - g:
+    if not s <= out_row <= x.shape[0] - g:
       raise ValueError(
           f"sites_local: out_row={out_row} for {g} sites over the first {s}"
           f" of {x.shape[0]} rows; the outputs need rows of their own past"
-          f" the sources' (s <= out_row <= R - G) and 16- or 32-bit rows.")
+          f" the sources' (s <= out_row <= R - G).")
     rows, carry = x.shape[0], {0: 0}
   return _group_launch(
       "sites_local", sites_kernel, SITES_TUNING, [x, r.astype(jnp.float32), t],
       [int(s), g, n, int(out_row or 0)],
-      [jax.ShapeDtypeStruct((rows, n, d), out_dtype),
+      [jax.ShapeDtypeStruct((rows, n, d), x.dtype),
        jax.ShapeDtypeStruct((rows, n, h), jnp.float32)],
       x.dtype, n, d, h, g, carry=carry, SB=sb, EVEN_S=s % sb == 0,
-      CAUSAL=bool(causal), SPLIT_P=bool(SITES_TUNING["split_weights"]),
-      Q8=bool(q8))
+      CAUSAL=bool(causal), SPLIT_P=bool(SITES_TUNING["split_weights"]))
 
 
 def _group_launch(name, kernel, tu, inputs, scalars, out_shapes, dtype, n, d,
