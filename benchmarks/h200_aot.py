@@ -29,7 +29,13 @@ rematerialization squeezes the program towards (~0.76 of it here). With that
 pass off (``--xla_disable_hlo_passes=rematerialization``, as the throughput
 benchmark compiles) the pool does not matter. How close these plans are to
 the device's own (whose autotuner may pick other fusions) is checked by the
-throughput table's "XLA GiB" column beside the measured peak.
+throughput table's "XLA GiB" column beside the measured peak. Without
+autotuning XLA compiles the GEMMs as its Triton fusions; on an H100 the
+autotuner chose cuBLAS for them, and the plans then part by up to ~1 GiB at a
+131k-token microbatch, either way (``+xla.xla_gpu_enable_triton_gemm=false``
+compiles cuBLAS here: Block 100m 31.46 -> 32.31 GiB against the device's
+32.40, but full 100m 31.73 -> 33.79 against 31.7; benchmarks/RESULTS.md,
+session 39).
 """
 
 from __future__ import annotations
