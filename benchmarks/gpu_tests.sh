@@ -19,10 +19,10 @@
 #   split    the sites kernel's weights as two terms (default) and one (bf16 lead9)
 # Each part's verbose output goes to $OUT/gpu-tests-PART.txt (so a part cut
 # by its timeout still says which cases passed); its last lines are printed.
-# Durations on an H100 (session 38; compiles dominate): f32 185 s alone; bf16
-# 306 s and outputs 280 s side by side; share 177 s and causal 88 s beside
-# two others; ffi over 215 s alone (its 40-site bf16 case last):
-# give ffi, bf16 and outputs PART_TIMEOUT=330 each.
+# Durations on an H100 (sessions 38-39; compiles dominate): f32 185 s alone;
+# bf16 275-306 s beside others; outputs 317 s and ffi 285 s side by side (0.4
+# of the card each); share 177 s and causal 75-88 s beside two others:
+# give ffi, bf16 and outputs PART_TIMEOUT=330-340 each.
 set -uo pipefail
 source benchmarks/gpu_env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
