@@ -13,8 +13,10 @@
 #            stack with norm, every site (f32, bf16)
 #   share    ... the lowest sites only (recompute_below)
 #   causal   the causal sites kernel (what recomputes them in groups)
-#   norm     the sublayer norms' backward kernel, alone and in the stack
-#            with no site recomputed (every norm's gradient by the kernel)
+#   norm     the sublayer norms' backward kernel, alone (dy as 1-3 terms)
+#            and in the stack with no site recomputed (every norm's
+#            gradient by the kernel; with sublayers of three products, from
+#            the three terms of dy: NORM_TUNING["dy_terms"] 3)
 #   route    tests/test_triton_route.py (route() alone)
 #   split    the sites kernel's weights as two terms (default) and one (bf16 lead9)
 # Each part's verbose output goes to $OUT/gpu-tests-PART.txt (so a part cut
@@ -34,7 +36,7 @@ declare -A SEL=(
   [rms]="inverse_rms" [decoder]="decoder"
   [outputs]="recomputed_site_outputs and not below"
   [share]="recomputed_site_outputs and below and not below0" [causal]="causal_sites"
-  [norm]="norm_grad_kernel or below0"
+  [norm]="norm_grad_kernel or below0 or adds_terms"
   [split]="split_weights or (matches_reference and bfloat16 and lead9)")
 for part in ${@:-ffi kernels f32 bf16 rms decoder route outputs share causal norm}; do
   if [[ $part == route ]]; then

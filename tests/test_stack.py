@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mhar_jax.kernels import reference
+from mhar_jax.kernels import reference, stack
 from mhar_jax.kernels.stack import SublayerRMSNorm, routed_stack
 
 
@@ -505,3 +505,40 @@ def test_source_backward_is_for_attnres_and_mhar():
   with pytest.raises(ValueError, match="model.routing_site_group=-1"):
     TransformerConfig(residual="mhar", num_layers=2, routing_site_group=-1)
   TransformerConfig(residual="mhar", num_layers=2, routing_site_group=4)
+
+
+@pytest.mark.parametrize("layer,most,want", [
+    ("attention", 3, 3), ("attention", 2, 2), ("swiglu", 3, 2),
+    ("tanh", 3, 1), ("attention", 1, 1)])
+def test_cotangent_terms_sum_to_the_vjp(layer, most, want):
+  """``stack._cotangent_terms``: a sublayer's input cotangent as the terms
+  autodiff adds (attention's Q, K, V products; SwiGLU's gate and up; one
+  use, or elementwise operations only, one term: ``tanh``'s backward adds
+  two elementwise terms), at most ``most`` of them, summing to the VJP's; the
+  other outputs are the VJP's. Under jit, as the stack's backward runs."""
+  from flax import nnx
+  from mhar_jax.layers.basic import Attention, SwiGLU
+  d = 32
+  rngs = nnx.Rngs(0)
+  if layer == "attention":
+    mod = Attention(d, 4, 2, 8, rngs=rngs)
+    f = lambda p, x: mod(x, jnp.arange(x.shape[1])[None]) * p  # noqa: E731
+  elif layer == "swiglu":
+    mod = SwiGLU(d, 48, rngs=rngs)
+    f = lambda p, x: mod(x) * p  # noqa: E731
+  else:
+    f = lambda p, x: jnp.tanh(x) * p  # noqa: E731
+  x = jax.random.normal(jax.random.key(1), (2, 5, d))
+  p = jnp.float32(1.3)
+  dy = jax.random.normal(jax.random.key(2), (2, 5, d))
+
+  @jax.jit
+  def run(p, x, dy):
+    _, vjp = jax.vjp(f, p, x)
+    (dp, _), terms = stack._cotangent_terms(vjp, dy, most)
+    return vjp(dy), dp, terms
+
+  (dp_ref, dx_ref), dp, terms = run(p, x, dy)
+  assert len(terms) == want
+  np.testing.assert_allclose(sum(terms), dx_ref, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(dp, dp_ref, rtol=1e-6)

@@ -237,19 +237,22 @@ def normed_sublayer(j, p, x, consts):
 @pytest.mark.parametrize("d,heads,n_tok", [(1280, 8, 1000), (512, 8, 4099),
                                            (1024, 16, 77), (64, 4, 1000),
                                            (48, 1, 5)])
-@pytest.mark.parametrize("x_row", [None, 2])
-def test_norm_grad_kernel_against_autodiff(dtype, d, heads, n_tok, x_row):
+@pytest.mark.parametrize("x_row,terms", [(None, 1), (2, 1), (None, 3),
+                                         (2, 2)])
+def test_norm_grad_kernel_against_autodiff(dtype, d, heads, n_tok, x_row,
+                                           terms):
   """``norm_grad_local`` (a sublayer RMSNorm's backward into a buffer row)
   against the VJP of ``reference.rms_norm`` in float32 at the same inputs:
   ``dx`` (its row NaN before: an unwritten element fails; the other rows
   kept bit for bit), ``<dx, x>`` per head (to the size of its terms, which
   cancel), the gain's gradient; outputs poisoned first. ``x_row``: the
   input read in place as that row of ``[3, N, D]`` (a recomputed group's
-  outputs)."""
+  outputs). ``terms``: ``dy`` given as that many arrays (the products
+  reading the sublayer's input), which the kernel adds."""
   from mhar_jax.kernels import reference, stack, triton_route, triton_stack
-  ks = jax.random.split(jax.random.key(d + n_tok), 4)
+  ks = jax.random.split(jax.random.key(d + n_tok), 4 + terms)
   x = (jax.random.normal(ks[0], (n_tok, d)) * 1.7 + 0.2).astype(dtype)
-  dy = jax.random.normal(ks[1], (n_tok, d)).astype(dtype)
+  dys = [jax.random.normal(k, (n_tok, d)).astype(dtype) for k in ks[4:]]
   scale = 1 + 0.3 * jax.random.normal(ks[2], (d,))
   buf = jax.random.normal(ks[3], (3, n_tok, d)).astype(dtype)
   buf = buf.at[1].set(jnp.nan)
@@ -258,8 +261,9 @@ def test_norm_grad_kernel_against_autodiff(dtype, d, heads, n_tok, x_row):
   with triton_route.poison_outputs():
     out, xd, dscale = jax.jit(
         lambda *a: triton_stack.norm_grad_local(*a[:3], 1e-6, heads, a[3], 1,
-                                                x_row))(xs, scale, dy, buf)
-  x32, dy32 = x.astype(jnp.float32), dy.astype(jnp.float32)
+                                                x_row))(xs, scale, dys, buf)
+  x32 = x.astype(jnp.float32)
+  dy32 = sum(t.astype(jnp.float32) for t in dys)
   with jax.default_matmul_precision("highest"):
     _, vjp = jax.vjp(lambda x, s: reference.rms_norm(x, s, 1e-6), x32, scale)
     dx, want_dscale = vjp(dy32)
@@ -325,6 +329,72 @@ def test_triton_stack_recomputed_site_outputs(dtype, lead, d, heads, n,
         h, params, queries, gains)
 
   got = run(h, "triton")
+  want = run(h, "reference")
+  assert_matches(dtype, got, want,
+                 lambda: run(h.astype(jnp.float32), "reference"))
+
+
+def fanout_sublayer(j, p, x, consts):
+  """Three products of ``x`` in its dtype (as attention's Q, K and V): its
+  cotangent is a sum of three terms."""
+  w, b = p["w"].astype(x.dtype), p["b"].astype(x.dtype)
+  y = jnp.tanh(x @ w + b) + 0.3 * jnp.tanh(x @ w.T) + 0.1 * (x @ (w * b))
+  return (y * (1.0 + 0.1 * j) * consts).astype(x.dtype)
+
+
+def normed_fanout(j, p, x, consts):
+  return fanout_sublayer(j, p, norm(j, p, x), consts)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("lead,d,heads,n,blocks,site_group", [
+    ((3, 160), 1280, 8, 17, None, 16),
+    ((2, 37), 64, 4, 5, (0, 0, 1, 1, 1), 0)])
+def test_triton_stack_norm_kernel_adds_terms(monkeypatch, dtype, lead, d,
+                                             heads, n, blocks, site_group):
+  """``routed_stack(norm=...)`` on Triton with ``NORM_TUNING["dy_terms"]``
+  3 and sublayers reading their input in three products: every norm's
+  gradient by the kernel from the three terms of its cotangent (no sum in
+  XLA), against the jnp reference; values and every gradient."""
+  from mhar_jax.kernels import triton_route, triton_stack
+  monkeypatch.setitem(triton_stack.NORM_TUNING, "dy_terms", 3)
+  ndy = []
+  launch = triton_route._launch
+
+  def counted(kernel, *a, **k):
+    if "NDY" in k:
+      ndy.append(k["NDY"])
+    return launch(kernel, *a, **k)
+
+  monkeypatch.setattr(triton_route, "_launch", counted)
+  ks = jax.random.split(jax.random.key(d + n + 2), 6)
+  h = (jax.random.normal(ks[0], (*lead, d)) * 2 + 0.5).astype(dtype)
+  params = tuple({"w": jax.random.normal(k, (d, d)) / np.sqrt(3 * d),
+                  "b": 0.1 * jax.random.normal(jax.random.fold_in(k, 1), (d,)),
+                  "g": 1 + 0.3 * jax.random.normal(jax.random.fold_in(k, 2),
+                                                   (d,))}
+                 for k in jax.random.split(ks[1], n))
+  queries = 0.5 * jax.random.normal(ks[2], (n + 1, d)) / np.sqrt(d / heads)
+  gains = 1 + 0.3 * jax.random.normal(ks[3], (n + 1, d))
+  cot = jax.random.normal(ks[4], lead + (d,))
+
+  def run(h, impl):
+    if impl == "reference":
+      return grads("reference", h, params, queries, gains, cot, heads,
+                   blocks, 0, normed_fanout)
+
+    def f(h, params, queries, gains):
+      out = routed_stack(h, params, fanout_sublayer, queries, gains,
+                         jnp.asarray(1.3, jnp.float32), num_heads=heads,
+                         impl="triton", blocks=blocks,
+                         norm=SublayerRMSNorm(gain, 1e-6),
+                         site_group=site_group, recompute_below=0)
+      return jnp.sum(out.astype(jnp.float32) * cot), out
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True))(
+        h, params, queries, gains)
+
+  got = run(h, "triton")
+  assert ndy == [3] * n, ndy
   want = run(h, "reference")
   assert_matches(dtype, got, want,
                  lambda: run(h.astype(jnp.float32), "reference"))

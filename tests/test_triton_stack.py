@@ -36,16 +36,18 @@ def kernel_module():
     (6, 320, 2, True),     # C = 160 = 128 + 32, as at 1b
     (5, 48, 16, False), (9, 24, 1, True), (3, 40, 8, False)])
 @pytest.mark.parametrize("stages", [3, 1])
-@pytest.mark.parametrize("x_row", [None, 2])
+@pytest.mark.parametrize("x_row,terms", [(None, 1), (2, 1), (None, 3),
+                                         (2, 2)])
 def test_norm_grad_matches_autodiff(kernel_module, monkeypatch, n_tok, d, h,
-                                    one_program, stages, x_row):
+                                    one_program, stages, x_row, terms):
   """``norm_grad_local`` (the kernel through the jax-triton stand-in) against
   the VJP of ``reference.rms_norm`` and ``stack.dot_heads``: ``dx`` in its row
   of the buffer (the other rows kept), ``<dx, x>`` per head, the gain's
   gradient summed over the programs. ``one_program``: one program takes
   every tile in turn, tiles of the fewest tokens (2 pipelined, 1 with
   ``stages`` 1). ``x_row``: the input is that row of an array of rows (a
-  recomputed group's outputs), read in place."""
+  recomputed group's outputs), read in place. ``terms``: ``dy`` given as
+  that many arrays, which the kernel adds."""
   ts = kernel_module
   monkeypatch.setattr(ts.tr, "_launch", interpreted_launch)
   monkeypatch.setitem(ts.NORM_TUNING, "stages", stages)
@@ -63,7 +65,11 @@ def test_norm_grad_matches_autodiff(kernel_module, monkeypatch, n_tok, d, h,
   buf = jnp.asarray(rng.normal(size=(3, n_tok, d)), jnp.float32)
   xs = x if x_row is None else jnp.asarray(
       rng.normal(size=(3, n_tok, d)), jnp.float32).at[x_row].set(x)
-  out, xd, dscale = ts.norm_grad_local(xs, scale, dy, 1e-6, h, buf, 1, x_row)
+  parts = [jnp.asarray(rng.normal(size=(n_tok, d)), jnp.float32)
+           for _ in range(terms - 1)]
+  out, xd, dscale = ts.norm_grad_local(
+      xs, scale, [dy - sum(parts)] + parts if terms > 1 else dy, 1e-6, h,
+      buf, 1, x_row)
   _, vjp = jax.vjp(lambda x, s: reference.rms_norm(x, s, 1e-6), x, scale)
   dx, dscale_ref = vjp(dy)
   np.testing.assert_array_equal(out[0], buf[0])
@@ -322,6 +328,14 @@ def _sublayer(j, p, x, consts):
   return jnp.tanh(x @ p["w"] + p["b"]) * (1.0 + 0.1 * j)
 
 
+def _fanout(j, p, x, consts):
+  """``_sublayer`` with two more products of ``x`` (as attention's Q, K and
+  V): its cotangent is a sum of three terms."""
+  w = p["w"]
+  return (_sublayer(j, p, x, consts) + 0.3 * jnp.tanh(x @ w.T)
+          + 0.1 * (x @ (w * p["b"])))
+
+
 def _project(j, p, u):
   """An output projection for every other sublayer (identity between)."""
   return u @ p["w"].T if j % 2 else u
@@ -440,7 +454,7 @@ _NORM = stack.SublayerRMSNorm(_gain, 1e-6)   # _norm, as the stack takes it
     (5, (0, 0, 1, 1, 1), 0, 2),
     (5, None, 3, 0),     # none recomputed: the norms' gradients alone
     (5, (0, 0, 1, 1, 1), 0, 0)])
-@pytest.mark.parametrize("norm_kernel", [False, True])
+@pytest.mark.parametrize("norm_kernel", [0, 1, 3])
 def test_routed_stack_recomputes_site_outputs(kernel_module, monkeypatch, n,
                                               blocks, site_group, below,
                                               norm_kernel):
@@ -450,25 +464,30 @@ def test_routed_stack_recomputes_site_outputs(kernel_module, monkeypatch, n,
   sources; else site by site), every launch run by the interpreter, against
   the jnp path with ``norm`` and without it: values and every gradient.
   ``norm_kernel``: every site's norm gradient by ``norm_grad_kernel``
-  (else by autodiff)."""
+  (else by autodiff), given the cotangent as 1 term or, where the sublayer
+  reads its input three times, 3 (``NORM_TUNING["dy_terms"]``)."""
   ts = kernel_module
   tr = ts.tr
-  calls = []
+  calls, terms = [], []
 
   def counted_launch(kernel, *a, **k):
     calls.append((kernel.__name__, k.get("CAUSAL", False)))
+    if "NDY" in k:
+      terms.append(k["NDY"])
     return interpreted_launch(kernel, *a, **k)
 
   monkeypatch.setattr(tr, "_launch", counted_launch)
   monkeypatch.setitem(ts.SITES_TUNING, "min_sites", 2)
   monkeypatch.setitem(ts.SITES_TUNING, "tokens_per_program", 4)
-  monkeypatch.setitem(ts.NORM_TUNING, "kernel", norm_kernel)
+  monkeypatch.setitem(ts.NORM_TUNING, "kernel", bool(norm_kernel))
+  monkeypatch.setitem(ts.NORM_TUNING, "dy_terms", max(norm_kernel, 1))
+  sub = _fanout if norm_kernel == 3 else _sublayer
   d, h = 64, 2
   x0, params, q, g, cot = _stack_problem(n, n, d, h, norm_gains=True)
   blk = tuple(range(n)) if blocks is None else blocks
 
   def normed(j, p, x, consts):
-    return _sublayer(j, p, _norm(j, p, x), consts)
+    return sub(j, p, _norm(j, p, x), consts)
 
   def run(impl, fns):
     plan = stack._Plan(h, 1e-6, impl, blocks=blk, site_group=site_group,
@@ -479,7 +498,7 @@ def test_routed_stack_recomputes_site_outputs(kernel_module, monkeypatch, n,
       out, vjp = jax.vjp(f, x0, params, q, g)
       return out, vjp(cot)
 
-  out_t, grads_t = run("triton", (_sublayer, None, _NORM))
+  out_t, grads_t = run("triton", (sub, None, _NORM))
   groups = stack._Plan(h, 1e-6, "triton", blocks=blk,
                        site_group=site_group).site_groups(n)
   full_groups = blocks is None and site_group >= 2
@@ -489,10 +508,13 @@ def test_routed_stack_recomputes_site_outputs(kernel_module, monkeypatch, n,
   assert calls.count(("sites_kernel", False)) == (
       len(groups) if full_groups else 0), calls
   # site by site: once in the forward and once recomputed (below ``below``)
-  assert calls.count(("norm_grad_kernel", False)) == n * norm_kernel, calls
+  assert calls.count(("norm_grad_kernel", False)) == n * bool(norm_kernel), \
+      calls
+  # the kernel adds the cotangent's terms itself: sub's three uses of x
+  assert terms == [max(norm_kernel, 1)] * n * bool(norm_kernel), terms
   fwd = calls.count(("_fwd_kernel", False))
   assert fwd == (n + 1 - len(groups) if full_groups else n + 1 + below), calls
-  for fns in ((_sublayer, None, _NORM), (normed, None, None)):
+  for fns in ((sub, None, _NORM), (normed, None, None)):
     out_r, grads_r = run("reference", fns)
     np.testing.assert_allclose(out_t, out_r, rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(grads_t), jax.tree.leaves(grads_r)):
@@ -674,6 +696,8 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
   def norm_grad_local(x, scale, dy, eps, heads, buf, row, x_row=None):
     calls.append("norm")
     calls.append(("x_row", x_row))
+    calls.append(("terms", len(dy)))     # the sublayer's three uses of x
+    dy = sum(dy)
     x = x if x_row is None else x[x_row]
     _, vjp = jax.vjp(lambda x, s: reference.rms_norm(x, s, eps), x, scale)
     dx, dscale = vjp(dy)
@@ -686,6 +710,7 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
   monkeypatch.setattr(ts, "source_grad_local", source_grad_local)
   monkeypatch.setattr(ts, "norm_grad_local", norm_grad_local)
   monkeypatch.setitem(ts.NORM_TUNING, "kernel", True)
+  monkeypatch.setitem(ts.NORM_TUNING, "dy_terms", 3)
   monkeypatch.setitem(ts.SITES_TUNING, "min_sites", 2)
   monkeypatch.setitem(ts.SOURCES_TUNING, "site_block", site_block)
   monkeypatch.setitem(ts.SOURCES_TUNING, "max_buffers", 4)
@@ -700,8 +725,8 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
   mesh = make_mesh(4, 2, jax.devices()[:8])
 
   def run(plan):
-    f = lambda *a: jnp.sum(stack._stack(*a, None, (_sublayer, project, norm),  # noqa: E731
-                                        plan) ** 2)
+    fns = (_fanout if norm else _sublayer, project, norm)
+    f = lambda *a: jnp.sum(stack._stack(*a, None, fns, plan) ** 2)  # noqa: E731
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(
         x0, params, q, g)
 
@@ -717,6 +742,7 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
   assert calls.count("norm") == (n if norm else 0), calls
   x_rows = [c[1] for c in calls if c[0] == "x_row"]
   assert len(x_rows) == calls.count("norm")
+  assert [c[1] for c in calls if c[0] == "terms"] == [3] * len(x_rows)
   if norm:   # sites 8 .. 0 of the recomputed groups [7, 9), [3, 7), [0, 3)
     assert x_rows == [1, 0, 3, 2, 1, 0, 2, 1, 0], x_rows
   # the forward's groups (0, 3), (3, 7), (7, 10) write their first phase
@@ -726,8 +752,8 @@ def test_sharded_group_plumbing(kernel_module, monkeypatch, project, blocks,
   if blocks is None:
     assert out_rows == ([None] * 3 if project else [1, 4, 8]) + [None] * (
         3 if norm else 0), out_rows
-  calls = [c for c in calls if c not in ("source", "norm")
-           and c[0] not in ("rows", "into", "pieces", "x_row", "out_row")]
+  calls = [c for c in calls if c not in ("source", "norm") and c[0] not in
+           ("rows", "into", "pieces", "x_row", "out_row", "terms")]
   merged = bool(project) and site_block == 4
   if blocks is None:
     # forward groups (0, 3), (3, 7), (7, 10); backward groups [2, 6), [0, 2)

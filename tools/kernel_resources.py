@@ -59,7 +59,8 @@ BF16 = {"fwd": SLOTS("s") | {"out_ptr", "i_out"},
         "cpass": SLOTS("s") | {"g_ptr"},
         "bwd": SLOTS("s") | SLOTS("ds") | SLOTS("i") | {"g_ptr"},
         "source_grad": {"s_ptr", "dx_ptr", "ds_ptr"},
-        "norm_grad": {"x_ptr", "dy_ptr", "buf_in", "buf_ptr"}}
+        "norm_grad": {"x_ptr", "dy_ptr", "dy1_ptr", "dy2_ptr", "buf_in",
+                      "buf_ptr"}}
 SCALARS = {"N", "I0", "NTILES", "I", "M", "S", "GV", "J0", "IX", "IS", "IA",
            "JX", "K", "SK", "SM", "SH", "KC", "ROW", "MP", "JX1", "JX2", "JX3",
            "K1", "K2", "K3", "OUT_ROW", "X_ROW"}
@@ -157,7 +158,8 @@ def main(argv=None):
                   help="of fwd, fwd_r, cpass, cpass_r, bwd, bwd_r, "
                   "source_grad, source_grad_init, sites, sources, "
                   "sources_4buffers, "
-                  "query_gain_grad, norm_grad")
+                  "query_gain_grad, norm_grad, norm_grad_3dy (dy as 3 "
+                  "terms)")
   ap.add_argument("--source_grad_tuning", default="",
                   help="JSON dict merged into triton_stack.TUNING")
   ap.add_argument("--sources_tuning", default="",
@@ -225,9 +227,10 @@ def main(argv=None):
       D=a.d, C=c, STAGES=ts.QGRAD_TUNING["stages"], LOWP=True,
       UNIT=a.qgrad_unit, DA=4, EVEN_K=True, WHOLE_M=a.qgrad_unit == 2,
       **qgrad))
-  runs["norm_grad"] = (ts.norm_grad_kernel, BF16["norm_grad"], dict(
-      meta, BN=ts.norm_grad_programs(1 << 20, a.d, a.h)[0],
-      STAGES=ts.NORM_TUNING["stages"]))
+  for name, ndy in (("norm_grad", 1), ("norm_grad_3dy", 3)):
+    runs[name] = (ts.norm_grad_kernel, BF16["norm_grad"], dict(
+        meta, BN=ts.norm_grad_programs(1 << 20, a.d, a.h)[0],
+        STAGES=ts.NORM_TUNING["stages"], NDY=ndy))
   tu = ts.SITES_TUNING
   runs["sites"] = (ts.sites_kernel, {"x_ptr", "out_ptr"}, dict(
       tr.tile_meta(a.d, a.h), G=16, SB=tu["source_block"],
@@ -252,7 +255,8 @@ def main(argv=None):
              "sources": ts.SOURCES_TUNING["warps"],
              "sources_4buffers": ts.SOURCES_TUNING["warps"],
              "query_gain_grad": qgrad_warps,
-             "norm_grad": ts.NORM_TUNING["warps"]}.get(name, a.warps)
+             "norm_grad": ts.NORM_TUNING["warps"],
+             "norm_grad_3dy": ts.NORM_TUNING["warps"]}.get(name, a.warps)
     cons = {k: v for k, v in cons.items() if k in fn.arg_names}
     if a.ones:
       cons.update({k: 1 for k in fn.arg_names if k in SCALARS})

@@ -58,6 +58,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax.extend import core as jex_core
 import jax.numpy as jnp
 import numpy as np
 
@@ -158,7 +159,9 @@ def routed_stack(h: jax.Array, params: Sequence[Any], apply: Apply,
       ``apply(j, p, norm(j, p, x), consts)``), the backward takes the
       norm's gradient itself (on Triton with ``triton_stack.NORM_TUNING
       ["kernel"]``, one kernel a site writing ``dx`` into the cotangent
-      buffer in place; else by autodiff), and the stack keeps no output of
+      buffer in place, and with ``["dy_terms"]`` above 1 reading ``dy`` as
+      the matrix products' terms autodiff would add, ``_cotangent_terms``;
+      else by autodiff), and the stack keeps no output of
       the sites below ``recompute_below``: the backward recomputes ``x_j``
       from the kept sources when it reaches sublayer ``j`` (full method:
       one pass a group of sites over the sources they read, site ``k``
@@ -489,6 +492,78 @@ def _rows_buffer(plan, rows: int, like, dtype, tag: int):
     return triton_stack.rows_buffer(rows, like, tag, plan.mesh,
                                     plan.batch_axes, dtype)
   return jnp.zeros((rows, *like.shape), dtype)
+
+
+def _cotangent_terms(vjp, ct, most: int):
+  """``vjp(ct)`` (a VJP whose last output leaf is an input's cotangent) with
+  that cotangent as up to ``most`` arrays whose sum it is: ``(outputs, terms)``,
+  ``outputs`` as ``vjp`` returns them with ``terms[0]`` as the last leaf.
+
+  Where the input feeds several operations (a sublayer's Q, K and V, or
+  SwiGLU's gate and up products), autodiff adds their contributions
+  (``add_any``) as its last step; the terms are those additions' operands,
+  found in ``vjp``'s jaxpr, so that a kernel can read them and add them
+  itself instead of XLA writing their sum. Only sums of matrix products are
+  split (XLA fuses an add of elementwise terms into their producer for
+  free); anything else is one term."""
+  if most <= 1:
+    outs = vjp(ct)
+    return outs, [jax.tree.leaves(outs)[-1]]
+  closed, shapes = jax.make_jaxpr(vjp, return_shape=True)(ct)
+  jaxpr = closed.jaxpr
+  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+
+  def split(v):          # the operands of a sum of products at v, else None
+    e = producer.get(v) if isinstance(v, jex_core.Var) else None
+    if e is None or e.primitive.name != "add_any":
+      return None
+    if all(split(u) is not None or _is_product(u, producer)
+           for u in e.invars):
+      return e.invars
+    return None
+
+  terms = [jaxpr.outvars[-1]]
+  while len(terms) < most:
+    for i, v in enumerate(terms):
+      parts = split(v)
+      if parts is not None:
+        terms[i:i + 1] = parts
+        break
+    else:
+      break
+  if len(terms) == 1:
+    outs = vjp(ct)
+    return outs, [jax.tree.leaves(outs)[-1]]
+  fn = jex_core.jaxpr_as_fun(closed.replace(
+      jaxpr=jaxpr.replace(outvars=[*jaxpr.outvars[:-1], *terms])))
+  leaves = fn(*jax.tree.leaves(ct))
+  n = len(jaxpr.outvars) - 1
+  outs = jax.tree.unflatten(jax.tree.structure(shapes), leaves[:n + 1])
+  return outs, list(leaves[n:])
+
+
+_LAYOUT_OPS = ("transpose", "reshape", "convert_element_type", "copy")
+
+
+def _is_product(var, made) -> bool:
+  """Whether ``var`` is a matrix product's result: made (``made``: variable
+  -> the equation that makes it) by ``dot_general``, possibly reshaped,
+  transposed or converted after, or by a jitted call ending so (as
+  ``jnp.einsum``)."""
+  e = made.get(var) if isinstance(var, jex_core.Var) else None
+  while e is not None and e.primitive.name in _LAYOUT_OPS:
+    var = e.invars[0]
+    e = made.get(var) if isinstance(var, jex_core.Var) else None
+  if e is None:
+    return False
+  if e.primitive.name == "dot_general":
+    return True
+  inner = e.params.get("jaxpr")
+  if inner is None:
+    return False
+  inner = getattr(inner, "jaxpr", inner)
+  return _is_product(inner.outvars[e.outvars.index(var)],
+                     {v: q for q in inner.eqns for v in q.outvars})
 
 
 def _sublayer(apply, project, j, consts, p, x):
@@ -910,14 +985,16 @@ def _stack_bwd(fns, plan, res, g):
     elif norm is not None:     # the norm's gradient at x_j (kept or recomputed)
       x_rows, x_row = ((xs[j][None], 0) if xs[j] is not None
                        else routed_input(j, dy))
-      dparams[j], dyn = vjps[j](dy)
       if plan.impl == "triton" and plan.use_buffers and _norm_kernel():
         # one kernel: dx into its buffer row in place, <dx, x_j>, the gain's
-        # gradient (XLA's fusions read x_j and dyn or dx three times)
+        # gradient (XLA's fusions read x_j and dyn or dx three times), from
+        # the terms of dyn (the kernel adds them: no array of their sum)
         from mhar_jax.kernels import triton_stack
+        (dparams[j], _), dyn = _cotangent_terms(
+            vjps[j], dy, int(triton_stack.NORM_TUNING["dy_terms"]))
         scale, scale_vjp = jax.vjp(functools.partial(norm.scale, j),
                                    params[j])
-        a, row = row_of(j, dyn)
+        a, row = row_of(j, dyn[0])
         cots[a], xd_j, dscale = triton_stack.norm_grad(
             x_rows, scale, dyn, norm.eps, h, cots[a], row, plan.mesh,
             plan.batch_axes, x_row=x_row)
@@ -925,6 +1002,7 @@ def _stack_bwd(fns, plan, res, g):
         dp_norm = scale_vjp(dscale.astype(scale.dtype))[0]
         dx = None              # written, with <dx, x_j>
       else:
+        dparams[j], dyn = vjps[j](dy)
         x_j = x_rows[x_row]
         dp_norm, dx = jax.vjp(functools.partial(norm, j), params[j], x_j)[1](
             dyn)

@@ -433,22 +433,31 @@ def rows_buffer(rows: int, like, tag: int, mesh=None, batch_axes=(),
 # On one H200 it takes 0.70-0.92x XLA's time for the same norms (D 512-1280)
 # and 1.4-2.6% off the training step at 100m, 350m and 1b, full and Block
 # (RESULTS.md session 33).
+# ``dy_terms``: the most terms of ``dy`` the kernel reads and adds itself
+# (1 to ``NORM_DY_TERMS``). A sublayer's input feeds several matrix products
+# (attention's Q, K, V; SwiGLU's gate and up), so its cotangent is their
+# sum; XLA's baseline fuses that add into its norm backward, but before a
+# custom call it is a kernel of its own (read 2-3 arrays, write 1; 7.7 ms of
+# a 1b step on an H100, RESULTS.md session 40). With more than 1 the stack
+# hands the kernel the terms instead (``stack._cotangent_terms``).
 NORM_TUNING: dict = {"elems_per_thread": 16, "warps": 8, "stages": 3,
-                     "programs_per_sm": 2, "kernel": True}
+                     "programs_per_sm": 2, "kernel": True, "dy_terms": 1}
+NORM_DY_TERMS = 3          # dy pointers of norm_grad_kernel
 
 
 @triton.jit
-def norm_grad_kernel(x_ptr, dy_ptr, g_ptr, buf_in, buf_init, xd_init,
-                     dg_init, ROW, X_ROW, N, buf_ptr, xd_ptr, dg_ptr,
-                     D: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
-                     HP: tl.constexpr, CA: tl.constexpr, CB: tl.constexpr,
-                     BN: tl.constexpr, EPS: tl.constexpr,
-                     STAGES: tl.constexpr):
+def norm_grad_kernel(x_ptr, dy_ptr, dy1_ptr, dy2_ptr, g_ptr, buf_in,
+                     buf_init, xd_init, dg_init, ROW, X_ROW, N, buf_ptr,
+                     xd_ptr, dg_ptr, D: tl.constexpr, H: tl.constexpr,
+                     C: tl.constexpr, HP: tl.constexpr, CA: tl.constexpr,
+                     CB: tl.constexpr, BN: tl.constexpr, EPS: tl.constexpr,
+                     STAGES: tl.constexpr, NDY: tl.constexpr):
   """The gradient of ``y = x * rsqrt(mean(x^2) + EPS) * g`` for ``dy``.
 
-  ``x`` is row ``X_ROW`` of ``x_ptr [X, N, D]``; ``dy_ptr [N, D]``;
-  ``g_ptr [D]`` fp32. Per token, with ``r = rsqrt(mean(x^2) + EPS)`` and
-  ``m = sum_c x_c g_c dy_c``::
+  ``x`` is row ``X_ROW`` of ``x_ptr [X, N, D]``; ``dy`` the sum of the NDY
+  (1 to 3) arrays ``dy_ptr``, ``dy1_ptr``, ``dy2_ptr [N, D]``, added in fp32
+  (the pointers past NDY are placeholders); ``g_ptr [D]`` fp32. Per token,
+  with ``r = rsqrt(mean(x^2) + EPS)`` and ``m = sum_c x_c g_c dy_c``::
 
       dx = r g dy - x r^3 m / D        (rounded to the buffer's dtype)
       xd_h = <dx, x>_h                 dg += dy x r
@@ -474,6 +483,14 @@ def norm_grad_kernel(x_ptr, dy_ptr, g_ptr, buf_in, buf_init, xd_init,
     xb = xb.to(tl.float32)
     dya = dya.to(tl.float32)
     dyb = dyb.to(tl.float32)
+    if NDY > 1:
+      da, db = _load(dy1_ptr, base, offa, mska, offb, mskb, CB)
+      dya += da.to(tl.float32)
+      dyb += db.to(tl.float32)
+    if NDY > 2:
+      da, db = _load(dy2_ptr, base, offa, mska, offb, mskb, CB)
+      dya += da.to(tl.float32)
+      dyb += db.to(tl.float32)
     r = tl.rsqrt(tl.sum(_hsum(xa * xa, xb * xb, CB), axis=1) / D + EPS)
     rt = r[:, None, None]
     dga += dya * xa * rt
@@ -509,59 +526,77 @@ def norm_grad_programs(n: int, d: int, h: int) -> tuple[int, int]:
                         tr._num_sms() * int(tu["programs_per_sm"])))
 
 
+def _dy_terms(dy) -> list:
+  """``dy`` (an array, or a sequence of 1 to ``NORM_DY_TERMS`` arrays of one
+  shape whose sum is the cotangent) as a list, checked."""
+  terms = [dy] if hasattr(dy, "shape") else list(dy)
+  if not 1 <= len(terms) <= NORM_DY_TERMS or any(
+      t.shape != terms[0].shape for t in terms):
+    raise ValueError(
+        f"norm_grad: dy must be an array or 1 to {NORM_DY_TERMS} arrays of"
+        f" one shape, got {[getattr(t, 'shape', t) for t in terms]}.")
+  return terms
+
+
 def norm_grad_local(x, scale, dy, eps: float, h: int, buf, row: int,
                     x_row: int | None = None):
   """A sublayer input RMSNorm's gradient into a row of a buffer, local arrays.
 
-  ``x``, ``dy [N, D]`` (the norm's input and its output's cotangent; with
-  ``x_row``, the input is row ``x_row`` of ``x [X, N, D]``, read in place),
-  ``scale [D]`` the gain, ``buf [R, N, D]``. Returns ``(buf`` with row
+  ``x``, ``dy [N, D]`` (the norm's input and its output's cotangent, or a
+  sequence of 1 to ``NORM_DY_TERMS`` arrays whose sum it is, added in the
+  kernel in float32; with ``x_row``, the input is row ``x_row`` of ``x [X,
+  N, D]``, read in place), ``scale [D]`` the gain, ``buf [R, N, D]``.
+  Returns ``(buf`` with row
   ``row`` = ``dx`` in ``buf``'s dtype (the others kept; updated in place),
   ``<dx, x> [N, H]`` float32 of that rounded ``dx``, ``dscale [D]``
   float32)``: the VJP of ``reference.rms_norm(x, scale, eps)`` and
   ``stack.dot_heads``, up to float32 rounding."""
-  n, d = dy.shape
+  terms = _dy_terms(dy)
+  n, d = terms[0].shape
   bn, progs = norm_grad_programs(n, d, h)
+  dys = terms + terms[:1] * (NORM_DY_TERMS - len(terms))   # placeholders
   buf, xd, dg = tr._launch(
-      norm_grad_kernel, [x, dy, scale.astype(jnp.float32), buf],
+      norm_grad_kernel, [x, *dys, scale.astype(jnp.float32), buf],
       [int(row), 0 if x_row is None else int(x_row), n],
       [jax.ShapeDtypeStruct(buf.shape, buf.dtype),
        jax.ShapeDtypeStruct((n, h), jnp.float32),
        jax.ShapeDtypeStruct((progs, d), jnp.float32)],
-      grid=(progs,), num_warps=int(NORM_TUNING["warps"]), carry={0: 3},
-      poison=tr.POISON, dummy=x, **tile_meta(d, h), BN=bn, EPS=float(eps),
-      STAGES=int(NORM_TUNING["stages"]))
+      grid=(progs,), num_warps=int(NORM_TUNING["warps"]),
+      carry={0: 2 + NORM_DY_TERMS}, poison=tr.POISON, dummy=x,
+      **tile_meta(d, h), BN=bn, EPS=float(eps),
+      STAGES=int(NORM_TUNING["stages"]), NDY=len(terms))
   return buf, xd, dg.sum(0)
 
 
 def norm_grad(x, scale, dy, eps: float, h: int, buf, row: int, mesh=None,
               batch_axes=(), x_row: int | None = None):
-  """:func:`norm_grad_local` on ``x``, ``dy [tokens..., D]`` and ``buf [R,
-  tokens..., D]`` (with ``x_row``, ``x [X, tokens..., D]`` and its row
-  ``x_row`` the input), under ``shard_map`` over the batch axes of ``mesh``
-  when given (``dscale`` psummed). Returns ``(buf, xd [tokens..., H],
-  dscale [D])``."""
+  """:func:`norm_grad_local` on ``x``, ``dy [tokens..., D]`` (or 1 to
+  ``NORM_DY_TERMS`` such arrays whose sum it is) and ``buf [R, tokens...,
+  D]`` (with ``x_row``, ``x [X, tokens..., D]`` and its row ``x_row`` the
+  input), under ``shard_map`` over the batch axes of ``mesh`` when given
+  (``dscale`` psummed). Returns ``(buf, xd [tokens..., H], dscale [D])``."""
   from jax.sharding import PartitionSpec as P
+  terms = tuple(_dy_terms(dy))
 
-  def local(x, scale, dy, buf):
-    loc = dy.shape[:-1]
+  def local(x, scale, dys, buf):
+    loc = dys[0].shape[:-1]
     flat = lambda a: a.reshape(-1, a.shape[-1])   # noqa: E731
     rows = lambda a: a.reshape(a.shape[0], -1, a.shape[-1])   # noqa: E731
     out, xd, dg = norm_grad_local(
-        flat(x) if x_row is None else rows(x), scale, flat(dy), eps, h,
-        rows(buf), row, x_row)
+        flat(x) if x_row is None else rows(x), scale,
+        [flat(t) for t in dys], eps, h, rows(buf), row, x_row)
     if mesh is not None and batch_axes:
       dg = jax.lax.psum(dg, batch_axes)
     return out.reshape(buf.shape), xd.reshape(*loc, h), dg
 
   if mesh is None or not batch_axes:
-    return local(x, scale, dy, buf)
-  tok, _, site, _ = _specs(batch_axes, dy.ndim - 1)
+    return local(x, scale, terms, buf)
+  tok, _, site, _ = _specs(batch_axes, terms[0].ndim - 1)
   return jax.shard_map(local, mesh=mesh,
-                       in_specs=(tok if x_row is None else site, P(), tok,
-                                 site),
+                       in_specs=(tok if x_row is None else site, P(),
+                                 (tok,) * len(terms), site),
                        out_specs=(site, tok, P()), check_vma=False)(
-                           x, scale, dy, buf)
+                           x, scale, terms, buf)
 
 
 def _specs(batch_axes, lead: int):
