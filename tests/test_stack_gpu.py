@@ -302,9 +302,20 @@ def test_triton_stack_recomputed_site_outputs(dtype, lead, d, heads, n,
   jnp reference with the norm inside each sublayer; values and every
   gradient (the norms' gains too), as :func:`assert_matches` compares
   them."""
+  check_normed_stack(dtype, lead, d, heads, n, blocks, site_group, below,
+                     sublayer, normed_sublayer)
+
+
+def check_normed_stack(dtype, lead, d, heads, n, blocks, site_group, below,
+                       apply, normed, products=1):
+  """``routed_stack(h, params, apply, ..., norm=...)`` on Triton against the
+  jnp reference of ``normed`` (the norm inside each sublayer) on fresh
+  random inputs: values and every gradient, as :func:`assert_matches`
+  compares them. ``products``: the matrix products of ``x`` in ``apply``
+  (each weight scaled by ``1 / sqrt(products d)``)."""
   ks = jax.random.split(jax.random.key(d + n + 1), 6)
   h = (jax.random.normal(ks[0], (*lead, d)) * 2 + 0.5).astype(dtype)
-  params = tuple({"w": jax.random.normal(k, (d, d)) / np.sqrt(d),
+  params = tuple({"w": jax.random.normal(k, (d, d)) / np.sqrt(products * d),
                   "b": 0.1 * jax.random.normal(jax.random.fold_in(k, 1), (d,)),
                   "g": 1 + 0.3 * jax.random.normal(jax.random.fold_in(k, 2),
                                                    (d,))}
@@ -316,11 +327,11 @@ def test_triton_stack_recomputed_site_outputs(dtype, lead, d, heads, n,
   def run(h, impl):
     if impl == "reference":
       return grads("reference", h, params, queries, gains, cot, heads,
-                   blocks, 0, normed_sublayer)
+                   blocks, 0, normed)
     norm = SublayerRMSNorm(gain, 1e-6)
 
     def f(h, params, queries, gains):
-      out = routed_stack(h, params, sublayer, queries, gains,
+      out = routed_stack(h, params, apply, queries, gains,
                          jnp.asarray(1.3, jnp.float32), num_heads=heads,
                          impl="triton", blocks=blocks, norm=norm,
                          site_group=site_group, recompute_below=below)
@@ -367,37 +378,9 @@ def test_triton_stack_norm_kernel_adds_terms(monkeypatch, dtype, lead, d,
     return launch(kernel, *a, **k)
 
   monkeypatch.setattr(triton_route, "_launch", counted)
-  ks = jax.random.split(jax.random.key(d + n + 2), 6)
-  h = (jax.random.normal(ks[0], (*lead, d)) * 2 + 0.5).astype(dtype)
-  params = tuple({"w": jax.random.normal(k, (d, d)) / np.sqrt(3 * d),
-                  "b": 0.1 * jax.random.normal(jax.random.fold_in(k, 1), (d,)),
-                  "g": 1 + 0.3 * jax.random.normal(jax.random.fold_in(k, 2),
-                                                   (d,))}
-                 for k in jax.random.split(ks[1], n))
-  queries = 0.5 * jax.random.normal(ks[2], (n + 1, d)) / np.sqrt(d / heads)
-  gains = 1 + 0.3 * jax.random.normal(ks[3], (n + 1, d))
-  cot = jax.random.normal(ks[4], lead + (d,))
-
-  def run(h, impl):
-    if impl == "reference":
-      return grads("reference", h, params, queries, gains, cot, heads,
-                   blocks, 0, normed_fanout)
-
-    def f(h, params, queries, gains):
-      out = routed_stack(h, params, fanout_sublayer, queries, gains,
-                         jnp.asarray(1.3, jnp.float32), num_heads=heads,
-                         impl="triton", blocks=blocks,
-                         norm=SublayerRMSNorm(gain, 1e-6),
-                         site_group=site_group, recompute_below=0)
-      return jnp.sum(out.astype(jnp.float32) * cot), out
-    return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True))(
-        h, params, queries, gains)
-
-  got = run(h, "triton")
+  check_normed_stack(dtype, lead, d, heads, n, blocks, site_group, 0,
+                     fanout_sublayer, normed_fanout, products=3)
   assert ndy == [3] * n, ndy
-  want = run(h, "reference")
-  assert_matches(dtype, got, want,
-                 lambda: run(h.astype(jnp.float32), "reference"))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
