@@ -9,8 +9,16 @@ here alone, ``--sites`` sites in turn in one jitted call (bf16 ``x`` and
 place), two ways: ``xla``, autodiff of the norm (the jnp path), and
 ``kernel``, ``triton_stack.norm_grad`` (the Triton path; GPU only).
 
-Bytes: the least any implementation moves is ``x`` and ``dy`` read once and
-``dx`` written once, ``3 N D`` bf16 elements; reported as GB/s of that and
+``--terms T`` (> 1) gives each site's ``dy`` as T arrays, the cotangents of
+the T matrix products reading the sublayer's input (attention's Q, K, V: 3;
+SwiGLU's gate and up: 2), which autodiff adds: ``xla`` and ``kernel`` add
+them in XLA first (``xla`` can fuse the add into its norm backward, as the
+baseline does; before the kernel it is a kernel of its own), and
+``terms`` hands them to the kernel, which adds them itself
+(``NORM_TUNING["dy_terms"]``).
+
+Bytes: the least any implementation moves is ``x`` and ``dy`` (its T terms)
+read once and ``dx`` written once, ``(2 + T) N D`` bf16 elements; reported as GB/s of that and
 as a share of a device copy's bandwidth measured in the same run, and the
 time a site would take at that copy bandwidth (``floor ms``). Median of
 ``--reps`` calls after a warm-up, divided by the sites a call.
@@ -19,6 +27,7 @@ Usage (on the device machine, after ``source benchmarks/gpu_env.sh``)::
 
     python3 benchmarks/norm_grad.py                  # 100m / 350m / 1b widths
     python3 benchmarks/norm_grad.py --tokens 32768 --widths 1280 --reps 50
+    python3 benchmarks/norm_grad.py --terms 3        # the sum before the kernel
 """
 
 from __future__ import annotations
@@ -50,21 +59,25 @@ def norm_backward(x, scale, dy, heads):
   return dx, stack.dot_heads(dx, x, heads), dscale
 
 
-def sites_backward(xs, scales, dys, buf, xd, heads, kernel=False):
-  """Every site's norm backward in turn (``xs``, ``dys [K, N, D]``,
-  ``scales [K, D]``), ``dx`` into row ``k + 1`` of ``buf [K + 1, N, D]``
-  and ``<dx, x>`` into row ``k`` of ``xd [K, N, H]`` in place, as the
-  stack's backward writes them (``kernel``: by ``triton_stack.norm_grad``);
-  returns ``(buf, xd, dgains [K, D])``."""
+def sites_backward(xs, scales, dys, buf, xd, heads, kernel=False,
+                   terms=False):
+  """Every site's norm backward in turn (``xs [K, N, D]``, ``dys [K, T, N,
+  D]`` each site's cotangent as T terms, ``scales [K, D]``), ``dx`` into row
+  ``k + 1`` of ``buf [K + 1, N, D]`` and ``<dx, x>`` into row ``k`` of ``xd
+  [K, N, H]`` in place, as the stack's backward writes them (``kernel``: by
+  ``triton_stack.norm_grad``, given the terms' sum, or with ``terms`` the
+  terms); returns ``(buf, xd, dgains [K, D])``."""
   if kernel:
     from mhar_jax.kernels import triton_stack   # GPU only
   dscales = []
   for k in range(xs.shape[0]):
+    parts = [dys[k, t] for t in range(dys.shape[1])]
+    dy = functools.reduce(jnp.add, parts)       # as autodiff's add_any
     if kernel:
-      buf, xd_k, dscale = triton_stack.norm_grad(xs[k], scales[k], dys[k],
-                                                 EPS, heads, buf, k + 1)
+      buf, xd_k, dscale = triton_stack.norm_grad(
+          xs[k], scales[k], parts if terms else dy, EPS, heads, buf, k + 1)
     else:
-      dx, xd_k, dscale = norm_backward(xs[k], scales[k], dys[k], heads)
+      dx, xd_k, dscale = norm_backward(xs[k], scales[k], dy, heads)
       buf = buf.at[k + 1].set(dx)
     xd = xd.at[k].set(xd_k)
     dscales.append(dscale)
@@ -94,6 +107,8 @@ def main():
   p.add_argument("--sites", type=int, default=8,
                  help="sites a call (one jitted function, in turn)")
   p.add_argument("--reps", type=int, default=20)
+  p.add_argument("--terms", type=int, default=1,
+                 help="each dy as this many arrays (1-3), added by autodiff")
   p.add_argument("--tunings", default="",
                  help="';'-separated kernel tunings to time besides the"
                       " default, each 'key=value,...' over"
@@ -106,6 +121,8 @@ def main():
   ways = {"xla": None}
   if jax.default_backend() == "gpu":
     ways["kernel"] = {}
+    if args.terms > 1:
+      ways["terms"] = {"dy_terms": args.terms}
     for i, spec in enumerate(filter(None, args.tunings.split(";"))):
       ways[f"kernel{i + 1}"] = {k: int(v) for k, v in (
           kv.split("=") for kv in spec.split(","))}
@@ -116,12 +133,13 @@ def main():
   for d in map(int, args.widths.split(",")):
     rng = np.random.default_rng(d)
     xs = jnp.asarray(rng.normal(size=(k, n, d)) * 2, jnp.bfloat16)
-    dys = jnp.asarray(rng.normal(size=(k, n, d)), jnp.bfloat16)
+    dys = jnp.asarray(rng.normal(size=(k, args.terms, n, d)), jnp.bfloat16)
     scales = jnp.asarray(1 + 0.3 * rng.normal(size=(k, d)), jnp.float32)
     times, outs = {}, {}
     for way, tuning in ways.items():
       f = jax.jit(functools.partial(sites_backward, heads=args.heads,
-                                    kernel=tuning is not None),
+                                    kernel=tuning is not None,
+                                    terms=way == "terms"),
                   donate_argnums=(3, 4))
       bufs = (jnp.zeros((k + 1, n, d), jnp.bfloat16),
               jnp.zeros((k, n, args.heads), jnp.float32))
@@ -136,7 +154,7 @@ def main():
         times[way] = median_ms(call, (xs, scales, dys), reps=args.reps) / k
         dscales = call(xs, scales, dys)
       outs[way] = (bufs[0][1:], bufs[1], dscales)
-      gb = 3 * n * d * 2 / 1e9         # x and dy read, dx written (bf16)
+      gb = (2 + args.terms) * n * d * 2 / 1e9   # x, dy's terms, dx (bf16)
       gbs = gb / (times[way] / 1e3)
       # the kernel's outputs against XLA's (dx, <dx, x>, dgain), largest
       # difference relative to the largest element
