@@ -510,7 +510,7 @@ def test_routed_stack_recomputes_site_outputs(kernel_module, monkeypatch, n,
   # site by site: once in the forward and once recomputed (below ``below``)
   assert calls.count(("norm_grad_kernel", False)) == n * bool(norm_kernel), \
       calls
-  # the kernel adds the cotangent's terms itself: sub's three uses of x
+  # the kernel adds the cotangent's terms itself: _fanout's three products
   assert terms == [max(norm_kernel, 1)] * n * bool(norm_kernel), terms
   fwd = calls.count(("_fwd_kernel", False))
   assert fwd == (n + 1 - len(groups) if full_groups else n + 1 + below), calls
