@@ -531,9 +531,6 @@ def _cotangent_terms(vjp, ct, most: int):
         break
     else:
       break
-  if len(terms) == 1:
-    outs = vjp(ct)
-    return outs, [jax.tree.leaves(outs)[-1]]
   fn = jex_core.jaxpr_as_fun(closed.replace(
       jaxpr=jaxpr.replace(outvars=[*jaxpr.outvars[:-1], *terms])))
   leaves = fn(*jax.tree.leaves(ct))
