@@ -47,7 +47,10 @@ Two phases: first every (preset, scheme) is compiled ahead of time, up to
 ``--compile_jobs`` processes at once (XLA's compile is host work), into JAX's
 persistent compilation cache (``--cache_dir``); then each is timed alone, in
 turn, loading its executable from that cache. The compile time reported is
-the first phase's.
+the first phase's. ``--compile_jobs 0`` skips the first phase: each timing
+process compiles its run, or loads it from the cache that a ``--compile_only``
+call on the same machine filled (a 1b run's load takes ~55 s on an H100, paid
+once instead of twice), and the time reported is that compile or load.
 """
 
 from __future__ import annotations
@@ -327,7 +330,10 @@ def main():
   ap.add_argument("--routing_impl", default="auto")
   ap.add_argument("--json", default="", help="also write results here")
   ap.add_argument("--compile_jobs", type=int, default=3,
-                  help="processes compiling at once in the first phase")
+                  help="processes compiling at once in the first phase; 0:"
+                  " no such phase, each timing process compiles its run or"
+                  " loads it from --cache_dir itself (after a --compile_only"
+                  " call on the same machine: one cache load a run, not two)")
   ap.add_argument("--cache_dir", default="/tmp/mhar_jax_bench_cache",
                   help="JAX persistent compilation cache shared by the phases")
   ap.add_argument("--compile_timeout", type=int, default=900,
@@ -354,6 +360,10 @@ def main():
                   " (e.g. beside the GPU tests; a later call on the same"
                   " machine then times them from the cache)")
   a = ap.parse_args()
+  if a.compile_jobs < 0 or (a.compile_only and a.compile_jobs == 0):
+    ap.error(f"--compile_jobs {a.compile_jobs}: give 1 or more (--compile_only"
+             " needs a compiling process), or 0 to time without a compile"
+             " phase")
   if a.child:
     preset, scheme = a.child.split("/")
     print("RESULT " + json.dumps(child(preset, scheme, a.steps, a.warmup,
@@ -370,11 +380,13 @@ def main():
   runs = (a.runs.split(",") if a.runs else
           [f"{p}/{s}" for p in a.presets.split(",") for s in a.schemes.split(",")])
   compile_s, lock = {}, threading.Lock()
-  pool = concurrent.futures.ThreadPoolExecutor(a.compile_jobs)
+  pool = concurrent.futures.ThreadPoolExecutor(max(a.compile_jobs, 1))
   futures = {r: pool.submit(run_child, r, a, True, a.compile_timeout)
-             for r in runs}
+             for r in runs} if a.compile_jobs else {}
 
   def compiled(run):
+    if not futures:                   # the timing process compiles it
+      return True
     r, msg = futures[run].result()
     with lock:
       if run not in compile_s:
@@ -391,12 +403,12 @@ def main():
     return
   concurrent.futures.wait(futures.values(), timeout=a.compile_wait)
   for run in runs:
-    if futures[run].done():
+    if run in futures and futures[run].done():
       compiled(run)
   # Timing in the given order; runs still compiling go last (their timings
   # may overlap other compiles, which the results mark).
-  order = ([r for r in runs if futures[r].done()]
-           + [r for r in runs if not futures[r].done()])
+  done = {r for r in runs if r not in futures or futures[r].done()}
+  order = [r for r in runs if r in done] + [r for r in runs if r not in done]
   results = []
   for run in order:
     overlapped = not all(f.done() for f in futures.values())
@@ -420,7 +432,8 @@ def main():
     if r is None:
       print(msg, flush=True)
       continue
-    r["compile_s"] = compile_s[run]
+    # Without a compile phase: the timing process's own compile or load.
+    r["compile_s"] = compile_s.get(run, r["load_s"])
     r["timed_during_compiles"] = overlapped
     results.append(r)
     print(f"[{time.time() - start:5.0f}s] {run}: {r['tokens_per_s']:,.0f}"

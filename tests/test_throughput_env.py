@@ -1,7 +1,9 @@
-"""benchmarks/throughput.py: a run's child-process environment."""
+"""benchmarks/throughput.py: child environments, the table, the compile phase."""
 
 import os
 import sys
+
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)),
                                 "benchmarks"))
@@ -31,3 +33,39 @@ def test_table_gives_back_to_back_and_waited_steps(capsys):
   assert "| step ms | waited ms | tokens/s |" in out
   assert "| 550.0 | 570.0 | 58,000 |" in out
   assert "| 0.906 |" in out      # the ratio of the back-to-back tokens/s
+
+
+def _fake_child(calls):
+  def run_child(run, a, compile_only, timeout):
+    calls.append((run, compile_only))
+    if compile_only:
+      return dict(compile_s=40.0, init_compile_s=2.0), "wall 45s"
+    return dict(preset="1b", scheme=run.split("/")[1], routing="-",
+                grad_accum=1, step_s=0.5, waited_step_s=0.5,
+                tokens_per_s=64000.0, mfu=0.4, peak_bytes=2**30,
+                xla_bytes=2**30, load_s=55.0), "wall 70s"
+  return run_child
+
+
+def test_compile_jobs_0_times_without_a_compile_phase(monkeypatch, capsys):
+  calls = []
+  monkeypatch.setattr(throughput, "run_child", _fake_child(calls))
+  monkeypatch.setattr(sys, "argv", ["throughput.py", "--runs",
+                                    "1b/prenorm,1b/mhar", "--compile_jobs", "0"])
+  throughput.main()
+  assert calls == [("1b/prenorm", False), ("1b/mhar", False)]
+  assert "| 1b | mhar | - | 1 | 55 | 500.0 |" in capsys.readouterr().out
+  calls.clear()
+  monkeypatch.setattr(sys, "argv", ["throughput.py", "--runs", "1b/prenorm",
+                                    "--compile_jobs", "1"])
+  throughput.main()
+  assert calls == [("1b/prenorm", True), ("1b/prenorm", False)]
+  assert "| 1b | prenorm | - | 1 | 40 | 500.0 |" in capsys.readouterr().out
+
+
+def test_compile_only_needs_a_compiling_process(monkeypatch, capsys):
+  monkeypatch.setattr(sys, "argv", ["throughput.py", "--compile_only",
+                                    "--compile_jobs", "0"])
+  with pytest.raises(SystemExit):
+    throughput.main()
+  assert "--compile_jobs 0" in capsys.readouterr().err
