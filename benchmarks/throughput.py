@@ -380,9 +380,10 @@ def main():
   runs = (a.runs.split(",") if a.runs else
           [f"{p}/{s}" for p in a.presets.split(",") for s in a.schemes.split(",")])
   compile_s, lock = {}, threading.Lock()
-  pool = concurrent.futures.ThreadPoolExecutor(max(a.compile_jobs, 1))
+  pool = (concurrent.futures.ThreadPoolExecutor(a.compile_jobs)
+          if a.compile_jobs else None)
   futures = {r: pool.submit(run_child, r, a, True, a.compile_timeout)
-             for r in runs} if a.compile_jobs else {}
+             for r in runs} if pool else {}
 
   def compiled(run):
     if not futures:                   # the timing process compiles it
@@ -442,7 +443,8 @@ def main():
     if a.json:
       with open(a.json, "w") as f:
         json.dump(results, f, indent=1)
-  pool.shutdown(wait=False, cancel_futures=True)
+  if pool:
+    pool.shutdown(wait=False, cancel_futures=True)
   print_table(results)
 
 
