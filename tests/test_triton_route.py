@@ -191,3 +191,48 @@ def test_dispatcher():
   want = kernels.route(srcs, query, scale, num_heads=8, impl="reference")
   assert _rel(got, want) <= 1e-5
   assert kernels.resolve_impl("auto") == "triton"
+
+
+
+def test_ptx_from_the_disk_cache_builds_the_same_program(tmp_path,
+                                                         monkeypatch):
+  # A process that finds every kernel's PTX on disk (kernels/ptx_cache.py,
+  # under JAX's compilation cache directory) must lower exactly the program
+  # of the process that compiled it, and compute the same values.
+  import os
+  import jax_triton as jt
+  from mhar_jax.kernels import ptx_cache
+  srcs, query, scale, dout = _inputs(5, (301,), 1280, jnp.bfloat16)
+
+  def both(route):
+    def f(x, q, g, dy):
+      out, vjp = jax.vjp(lambda *a: route(*a, num_heads=8), x, q, g)
+      return out, vjp(dy)
+    return f
+
+  def lower():
+    jt.triton_lib._COMPILED_KERNEL_CACHE.clear()   # as in a fresh process
+    return jax.jit(both(tr.route)).lower(srcs, query, scale, dout)
+
+  old = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+  try:
+    compiled = lower()
+    entries = sorted(os.listdir(tmp_path / ptx_cache.SUBDIR))
+    assert len(entries) >= 2, entries    # forward and backward kernels at least
+
+    def must_not_compile(*args):
+      raise AssertionError("a kernel was compiled although its PTX was cached")
+    monkeypatch.setattr(jt.triton_lib, "compile_ttir_inplace",
+                        tr._ptx_cached(must_not_compile))
+    cached = lower()
+  finally:
+    jax.config.update("jax_compilation_cache_dir", old)
+  assert sorted(os.listdir(tmp_path / ptx_cache.SUBDIR)) == entries
+  assert cached.as_text() == compiled.as_text()
+  out, (dx, dq, dg) = cached.compile()(srcs, query, scale, dout)
+  out_r, (dx_r, dq_r, dg_r) = jax.jit(both(reference.route))(
+      srcs, query, scale, dout)
+  errs = [_rel(out, out_r), _rel(dq, dq_r), _rel(dg, dg_r)]
+  errs += [_rel(a, b) for a, b in zip(dx, dx_r)]
+  assert max(errs) <= TOL[jnp.bfloat16], errs

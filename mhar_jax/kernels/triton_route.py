@@ -111,7 +111,7 @@ from jax.interpreters import mlir
 import triton
 import triton.language as tl
 
-from mhar_jax.kernels import reference
+from mhar_jax.kernels import ptx_cache, reference
 
 MAX_SOURCES_PER_LAUNCH = 16
 # Sources per launch (<= MAX_SOURCES_PER_LAUNCH). Larger means fewer fp32
@@ -1569,6 +1569,7 @@ def _launch(kernel, inputs, scalars, out_shapes, *, grid, num_warps,
       aliases[n_in + j] = j
     else:
       inits.append(dummy)
+  _use_ptx_cache()
   target = "triton_kernel_call"
   if TUNING["ffi_launch"]:
     _use_ffi_lowering()
@@ -1580,6 +1581,22 @@ def _launch(kernel, inputs, scalars, out_shapes, *, grid, num_warps,
 
 
 FFI_TARGET = "triton_kernel_call_ffi"
+
+
+def _ptx_cached(compile_fn):
+  """``compile_fn`` (jax-triton's Triton -> PTX compile) through
+  :func:`mhar_jax.kernels.ptx_cache.cached`: cached under JAX's persistent
+  compilation cache directory when one is set."""
+  return ptx_cache.cached(compile_fn, jt.triton_lib.CompilationResult,
+                          lambda: jax.config.jax_compilation_cache_dir,
+                          (triton.__version__, jt.__version__))
+
+
+@functools.cache
+def _use_ptx_cache():
+  """Makes jax-triton's compiles go through :func:`_ptx_cached` (once)."""
+  jt.triton_lib.compile_ttir_inplace = _ptx_cached(
+      jt.triton_lib.compile_ttir_inplace)
 
 
 @functools.cache
