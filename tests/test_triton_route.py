@@ -212,6 +212,7 @@ def test_ptx_from_the_disk_cache_builds_the_same_program(tmp_path,
 
   def lower():
     jt.triton_lib._COMPILED_KERNEL_CACHE.clear()   # as in a fresh process
+    jax.clear_caches()
     return jax.jit(both(tr.route)).lower(srcs, query, scale, dout)
 
   old = jax.config.jax_compilation_cache_dir

@@ -47,9 +47,9 @@ def cached(compile_fn: Callable, result_cls: type, cache_dir: Callable[[], str |
   unreadable or corrupt entry is compiled again and rewritten; a failed write
   leaves the compile's result as it is. Entries are written to a temporary
   file and renamed into place, so concurrent processes never read half a file.
-  The cached result has ``ttgir`` and ``llir`` None (jax-triton keeps them
-  only for its dump directory; with ``JAX_TRITON_DUMP_DIR`` set, give no
-  cache directory).
+  The cached result has ``ttgir`` and ``llir`` None: jax-triton keeps them
+  only to write into its dump directory, so ``cache_dir()`` must give None
+  while that is set (``triton_route._ptx_cached`` does).
   """
   def compile_ttir(ttir, backend, options, compute_capability, platform):
     root = cache_dir()

@@ -1586,10 +1586,14 @@ FFI_TARGET = "triton_kernel_call_ffi"
 def _ptx_cached(compile_fn):
   """``compile_fn`` (jax-triton's Triton -> PTX compile) through
   :func:`mhar_jax.kernels.ptx_cache.cached`: cached under JAX's persistent
-  compilation cache directory when one is set."""
+  compilation cache directory when one is set, and not while jax-triton dumps
+  each compile's IR (``JAX_TRITON_DUMP_DIR``; cached results carry none)."""
+  def cache_dir():
+    if getattr(jt.triton_lib, "_JAX_TRITON_DUMP_DIR", None):
+      return None
+    return jax.config.jax_compilation_cache_dir
   return ptx_cache.cached(compile_fn, jt.triton_lib.CompilationResult,
-                          lambda: jax.config.jax_compilation_cache_dir,
-                          (triton.__version__, jt.__version__))
+                          cache_dir, (triton.__version__, jt.__version__))
 
 
 @functools.cache
