@@ -31,7 +31,8 @@ def make(cache_dir):
 
   def compile_fn(ttir, backend, options, cc, platform):
     calls.append(str(ttir))
-    out = Result(binary=f"ptx of {ttir} {options} sm{cc}", name="k_" + str(ttir),
+    out = Result(binary=f"ptx of {ttir} {options} sm{cc}",
+                 name="k_" + str(ttir),
                  shared_mem_bytes=len(str(ttir)) * 16, ttgir="g", llir="l")
     ttir.text = "lowered"
     return out

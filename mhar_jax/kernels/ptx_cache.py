@@ -37,8 +37,8 @@ def key(ttir_text: str, options: Any, compute_capability: Any,
   return hashlib.sha256(text.encode()).hexdigest()
 
 
-def cached(compile_fn: Callable, result_cls: type, cache_dir: Callable[[], str | None],
-           versions: tuple) -> Callable:
+def cached(compile_fn: Callable, result_cls: type,
+           cache_dir: Callable[[], str | None], versions: tuple) -> Callable:
   """``compile_fn`` (jax-triton's ``compile_ttir_inplace(ttir, backend,
   options, compute_capability, platform)``, returning ``result_cls(binary,
   name, shared_mem_bytes, ttgir, llir)``) with results cached on disk.
