@@ -16,7 +16,7 @@
 #   norm     the sublayer norms' backward kernel, alone (dy as 1-3 terms)
 #            and in the stack with no site recomputed (every norm's
 #            gradient by the kernel; with sublayers of three products, from
-#            the three terms of dy: NORM_TUNING["dy_terms"] 3)
+#            the three terms of dy: NORM_TUNING["dy_terms"] 3, the default)
 #   route    tests/test_triton_route.py (route() alone)
 #   split    the sites kernel's weights as two terms (default) and one (bf16 lead9)
 # Each part's verbose output goes to $OUT/gpu-tests-PART.txt (so a part cut

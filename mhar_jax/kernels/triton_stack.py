@@ -439,9 +439,11 @@ def rows_buffer(rows: int, like, tag: int, mesh=None, batch_axes=(),
 # sum; XLA's baseline fuses that add into its norm backward, but before a
 # custom call it is a kernel of its own (read 2-3 arrays, write 1; 7.7 ms of
 # a 1b step on an H100, RESULTS.md session 40). With more than 1 the stack
-# hands the kernel the terms instead (``stack._cotangent_terms``).
+# hands the kernel the terms instead (``stack._cotangent_terms``). 3 against
+# 1 in one run (1b full, H100, two 16k microbatches): 602.9 against 605.6 ms
+# a step, the same plan (RESULTS.md session 43).
 NORM_TUNING: dict = {"elems_per_thread": 16, "warps": 8, "stages": 3,
-                     "programs_per_sm": 2, "kernel": True, "dy_terms": 1}
+                     "programs_per_sm": 2, "kernel": True, "dy_terms": 3}
 NORM_DY_TERMS = 3          # dy pointers of norm_grad_kernel
 
 
