@@ -193,7 +193,6 @@ def test_dispatcher():
   assert kernels.resolve_impl("auto") == "triton"
 
 
-
 def test_ptx_from_the_disk_cache_builds_the_same_program(tmp_path,
                                                          monkeypatch):
   # A process that finds every kernel's PTX on disk (kernels/ptx_cache.py,
