@@ -94,6 +94,28 @@ def kernel_tunings() -> dict:
           "norm": triton_stack.NORM_TUNING}
 
 
+def micro_tokens(spec: str) -> dict:
+  """``--micro_tokens``: the largest microbatch in tokens (gradient
+  accumulation above it), one number for every preset or a default followed
+  by per-preset values: ``"32768,1b=16384"`` -> ``{"": 32768, "1b": 16384}``
+  (preset ``1b`` in two 16k microbatches, every other in 32k ones)."""
+  table = {}
+  for i, item in enumerate(spec.split(",")):
+    preset, _, value = item.rpartition("=")
+    if (i == 0) == bool(preset) or preset in table or not value.isdigit() \
+        or int(value) <= 0:
+      raise argparse.ArgumentTypeError(
+          f"{spec!r}: give a positive token count, then optionally"
+          " PRESET=COUNT for each preset that differs, e.g. 32768,1b=16384")
+    table[preset] = int(value)
+  return table
+
+
+def micro_tokens_of(table: dict, preset: str) -> int:
+  """``preset``'s largest microbatch under ``--micro_tokens``'s ``table``."""
+  return table.get(preset, table[""])
+
+
 def load_preset(name):
   from mhar_jax.config import load_config_file
   return load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
@@ -285,7 +307,8 @@ def run_child(run: str, a, compile_only: bool, timeout: int):
   """Runs one child process; returns (result dict or None, message)."""
   cmd = [sys.executable, __file__, "--child", run,
          "--steps", str(a.steps), "--warmup", str(a.warmup),
-         "--micro_tokens", str(a.micro_tokens),
+         "--micro_tokens", str(micro_tokens_of(a.micro_tokens,
+                                               run.split("/")[0])),
          "--routing_impl", a.routing_impl, "--cache_dir", a.cache_dir,
          "--profile", str(0 if compile_only or not profiled(run, a)
                           else a.profile)]
@@ -325,8 +348,10 @@ def main():
                   " schemes), timed in this order")
   ap.add_argument("--steps", type=int, default=10)
   ap.add_argument("--warmup", type=int, default=3)
-  ap.add_argument("--micro_tokens", type=int, default=16384,
-                  help="largest microbatch in tokens (grad accumulation above)")
+  ap.add_argument("--micro_tokens", type=micro_tokens, default="16384",
+                  help="largest microbatch in tokens (grad accumulation"
+                  " above), for every preset or with per-preset values:"
+                  " 32768,1b=16384")
   ap.add_argument("--routing_impl", default="auto")
   ap.add_argument("--json", default="", help="also write results here")
   ap.add_argument("--compile_jobs", type=int, default=3,
@@ -367,7 +392,8 @@ def main():
   if a.child:
     preset, scheme = a.child.split("/")
     print("RESULT " + json.dumps(child(preset, scheme, a.steps, a.warmup,
-                                       a.micro_tokens, a.routing_impl,
+                                       micro_tokens_of(a.micro_tokens, preset),
+                                       a.routing_impl,
                                        a.cache_dir, a.compile_only,
                                        a.profile)),
           flush=True)

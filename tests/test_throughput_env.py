@@ -1,4 +1,5 @@
-"""benchmarks/throughput.py: child environments, the table, the compile phase."""
+"""benchmarks/throughput.py: child environments, the table, the compile phase,
+the microbatch per preset."""
 
 import os
 import sys
@@ -69,3 +70,33 @@ def test_compile_only_needs_a_compiling_process(monkeypatch, capsys):
   with pytest.raises(SystemExit):
     throughput.main()
   assert "--compile_jobs 0" in capsys.readouterr().err
+
+
+def test_micro_tokens_per_preset(monkeypatch):
+  assert throughput.micro_tokens("16384") == {"": 16384}
+  table = throughput.micro_tokens("32768,1b=16384")
+  assert [throughput.micro_tokens_of(table, p) for p in ("1b", "100m")] == [
+      16384, 32768]
+  cmds = []
+
+  def fake_run(cmd, **kw):
+    cmds.append(cmd)
+    return throughput.subprocess.CompletedProcess(cmd, 0, 'RESULT {"ok": 1}')
+  monkeypatch.setattr(throughput.subprocess, "run", fake_run)
+  a = throughput.argparse.Namespace(
+      steps=10, warmup=3, micro_tokens=table, routing_impl="auto",
+      cache_dir="/tmp/c", profile=0, profile_runs="", xla_remat=False)
+  for run in ("1b/mhar", "350m/mhar"):
+    assert throughput.run_child(run, a, False, 10)[0] == {"ok": 1}
+  assert [c[c.index("--micro_tokens") + 1] for c in cmds] == ["16384", "32768"]
+
+
+@pytest.mark.parametrize("spec", ["1b=16384", "32768,1b", "32768,1b=0",
+                                  "32768,1b=16k", "32768,1b=1,1b=2", ""])
+def test_micro_tokens_rejects_a_bad_value_at_start_up(monkeypatch, capsys,
+                                                       spec):
+  monkeypatch.setattr(sys, "argv", ["throughput.py", "--micro_tokens", spec])
+  with pytest.raises(SystemExit):
+    throughput.main()
+  err = capsys.readouterr().err
+  assert "--micro_tokens" in err and "32768,1b=16384" in err
